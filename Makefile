@@ -1,0 +1,33 @@
+# Everything a newcomer needs: `make demo` runs the main job, `make test` runs every test.
+# Both create the virtual environment on first use.
+#
+# TORCH is installed before the project so that pip never resolves torch itself (on Linux that
+# would pull a multi-GB CUDA build). The default is the CPU build; GPU users override it, e.g.
+#   make demo TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+EXTRAS ?= notebooks,test
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test figures bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m gradnorm.worked_example
+
+test: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
