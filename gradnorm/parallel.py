@@ -1,0 +1,106 @@
+"""The thin distributed shell: the only module of gradnorm that calls torch.distributed.
+
+It sets up the process group (NCCL on CUDA, gloo on CPU, chosen automatically), performs the one
+all-reduce of counts per minibatch, reduces logging statistics, and prints on rank 0. Every
+function also works in a plain single process with no process group, where a reduction is the
+identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradnorm.denominators import Counts
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    """Global rank, 0..world_size-1."""
+    world_size: int
+    """W: number of data-parallel ranks."""
+    local_rank: int
+    """Rank on this node; picks the GPU."""
+    device: torch.device
+    """Where this rank's model and tensors live."""
+    backend: str | None
+    """"nccl", "gloo", or None for a plain single process without a process group."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints and writes files."""
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (and torch.multiprocessing helpers that mimic it) export RANK and WORLD_SIZE."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def default_backend(device_type: str) -> str:
+    """NCCL for CUDA tensors, gloo for CPU tensors."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def setup(backend: str | None = None, device: str | None = None, timeout_s: float = 300.0) -> DistContext:
+    """Join the process group if torchrun launched us; otherwise describe a single process.
+
+    ``device`` defaults to CUDA when available; ``backend`` defaults to NCCL on CUDA and gloo on
+    CPU. ``timeout_s`` bounds how long a collective waits for a dead peer before raising.
+    """
+    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not launched_by_torchrun():
+        dev = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+        return DistContext(rank=0, world_size=1, local_rank=0, device=dev, backend=None)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    backend = backend or default_backend(device_type)
+    if device_type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
+
+
+def teardown() -> None:
+    """Leave the process group (call from a ``finally``)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 0
+
+
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum ``tensor`` over ranks, in place; the identity without a process group."""
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def global_counts(local_counts: Tensor) -> Counts:
+    """THE collective of the fix: one all-reduce of the small int64 count vector per minibatch.
+
+    Every rank must call this once per minibatch, before its first forward pass, even a rank that
+    holds no response tokens (its vector is zeros), so no rank waits on one that skipped it.
+    """
+    summed = all_reduce_sum(local_counts.clone())
+    return Counts.from_vector(summed.cpu())
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only."""
+    if not _active() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
