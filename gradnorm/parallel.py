@@ -90,6 +90,12 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def barrier() -> None:
+    """Wait for every rank (used to line ranks up before a timed region); no-op alone."""
+    if _active():
+        dist.barrier()
+
+
 def global_counts(local_counts: Tensor) -> Counts:
     """THE collective of the fix: one all-reduce of the small int64 count vector per minibatch.
 

@@ -1,0 +1,240 @@
+"""Benchmarks: what correct normalization costs, and how fast the pieces run.
+
+    python -m gradnorm.bench                 # full run, a few minutes on 2 cores
+    python -m gradnorm.bench --quick         # a smoke-sized run
+    python -m gradnorm.bench --out DIR       # where results.md and results.json go
+
+Every comparison is measured side by side in one run: the modes of a table are interleaved
+round-robin (rotating the order each round) on the same ranks, so a noisy neighbour slows them
+alike, and each is reported as a median with its spread and as a ratio to the baseline.
+
+1. Optimizer-step time of every denominator against ``local``, on 2 gloo ranks, DDP with
+   accumulation; and the collectives gradnorm issues per step beyond DDP's gradient all-reduce.
+2. Rollout generation with the KV cache against without it.
+3. How step time grows with response length, model width and world size (1, 2, 4 gloo ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from gradnorm import parallel
+from gradnorm.denominators import parse_denominator
+from gradnorm.equivalence import count_collectives, free_port
+from gradnorm.grpo import grpo_token_losses
+from gradnorm.sharding import make_plan
+from gradnorm.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs
+from gradnorm.update import accumulate_gradients
+
+MODES = ["local", "token", "sequence", "group", "256"]
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """One synthetic GRPO minibatch and model size to time optimizer steps on."""
+
+    num_groups: int = 8
+    group_size: int = 8
+    prompt_len: int = 5
+    max_response: int = 32
+    n_embd: int = 64
+    n_layer: int = 2
+    accum_steps: int = 2
+    shard: str = "length"
+    vocab: int = 32
+
+
+def _synthetic_batch(setup: StepSetup, seed: int = 0):
+    """Tokens (S, P + R), response mask (S, R) with ragged lengths, groups, advantages."""
+    g = torch.Generator().manual_seed(seed)
+    num_seq = setup.num_groups * setup.group_size
+    tokens = torch.randint(setup.vocab, (num_seq, setup.prompt_len + setup.max_response), generator=g)
+    lengths = torch.randint(1, setup.max_response + 1, (num_seq,), generator=g)
+    mask = torch.arange(setup.max_response) < lengths.unsqueeze(-1)
+    groups = torch.arange(num_seq) // setup.group_size
+    advantages = torch.randn(num_seq, generator=g)
+    return tokens, mask, groups, advantages
+
+
+def _time_steps(model, optimizer, setup: StepSetup, modes: list[str], rounds: int, world_size: int, rank: int):
+    """Interleaved, rotated rounds of one optimizer step per mode; per-mode seconds and collectives."""
+    tokens, mask, groups, advantages = _synthetic_batch(setup)
+    plan = make_plan(setup.shard, mask.sum(-1), world_size, setup.accum_steps)[rank]
+    module = model.module if hasattr(model, "module") else model
+    with torch.no_grad():
+        old_logp, _ = response_logprobs(module, tokens, setup.prompt_len)
+
+    def token_losses(idx):
+        logp, entropy = response_logprobs(model, tokens[idx], setup.prompt_len)
+        return grpo_token_losses(logp, old_logp[idx], advantages[idx], clip_low=0.2, clip_high=0.28, entropy=entropy)
+
+    times = {m: [] for m in modes}
+    collectives = {}
+    for r in range(rounds + 1):  # round 0 is the warm-up
+        order = modes[r % len(modes):] + modes[: r % len(modes)]
+        for mode in order:
+            parallel.barrier()
+            start = time.perf_counter()
+            with count_collectives() as calls:
+                accumulate_gradients(model, plan, mask, groups, setup.num_groups, parse_denominator(mode),
+                                     token_losses, world_size)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - start
+            if r > 0:
+                times[mode].append(elapsed)
+            collectives[mode] = calls["n"]
+    return times, collectives
+
+
+def _step_worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, StepSetup, list[str], int]],
+                 out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    parallel.setup(backend="gloo", device="cpu", timeout_s=300)
+    try:
+        results = {}
+        for name, setup, modes, rounds in jobs:
+            torch.manual_seed(0)
+            config = GPTConfig(vocab_size=setup.vocab, block_size=setup.prompt_len + setup.max_response,
+                               n_layer=setup.n_layer, n_embd=setup.n_embd)
+            model = nn.parallel.DistributedDataParallel(TinyGPT(config))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            times, collectives = _time_steps(model, optimizer, setup, modes, rounds, world_size, rank)
+            results[name] = {"times": times, "collectives": collectives}
+        if rank == 0:
+            Path(out_dir, "steps.json").write_text(json.dumps(results))
+    finally:
+        parallel.teardown()
+
+
+def run_step_jobs(world_size: int, jobs) -> dict:
+    """Run timing jobs on ``world_size`` spawned gloo ranks; rank 0's measurements."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_step_worker, args=(world_size, free_port(), jobs, out_dir), nprocs=world_size, join=True)
+        return json.loads(Path(out_dir, "steps.json").read_text())
+
+
+def _summary(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    q = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]  # noqa: E731
+    return {"median_ms": 1e3 * statistics.median(samples), "p10_ms": 1e3 * q(0.1), "p90_ms": 1e3 * q(0.9),
+            "n": len(samples)}
+
+
+def bench_generation(batch_sizes: list[int], max_new_tokens: int, reps: int) -> list[dict]:
+    """Tokens/s of ``generate`` with and without the KV cache, interleaved, one process."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=32, block_size=5 + max_new_tokens)
+    model = TinyGPT(config).eval()
+    rows = []
+    for batch in batch_sizes:
+        prompts = torch.randint(3, 32, (batch, 5), generator=torch.Generator().manual_seed(0))
+        samples = {True: [], False: []}
+        for r in range(reps + 1):
+            for use_cache in (True, False) if r % 2 == 0 else (False, True):
+                g = torch.Generator().manual_seed(r)
+                start = time.perf_counter()
+                # eos_id outside the vocabulary: every row runs the full length, same work both ways
+                generate(model, prompts, max_new_tokens, eos_id=-1, pad_id=0, generator=g, use_cache=use_cache)
+                if r > 0:
+                    samples[use_cache].append(time.perf_counter() - start)
+        tokens = batch * max_new_tokens
+        cached, uncached = statistics.median(samples[True]), statistics.median(samples[False])
+        rows.append({"batch": batch, "new_tokens": max_new_tokens,
+                     "cache_tok_s": tokens / cached, "no_cache_tok_s": tokens / uncached,
+                     "speedup": uncached / cached})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test of the benchmark")
+    parser.add_argument("--out", default="benchmarks", help="folder for results.md and results.json")
+    args = parser.parse_args(argv)
+    rounds = 5 if args.quick else 40
+    base = StepSetup()
+    report: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                "torch": torch.__version__, "python": platform.python_version()},
+                    "setup": asdict(base), "rounds": rounds}
+
+    print(f"[1/3] normalization overhead on 2 gloo ranks ({rounds} interleaved rounds)...", flush=True)
+    sizes = [("len16", StepSetup(max_response=16)), ("len32", base), ("len64", StepSetup(max_response=64)),
+             ("len128", StepSetup(max_response=128)), ("width128", StepSetup(n_embd=128)),
+             ("width256", StepSetup(n_embd=256))]
+    jobs = [("overhead", base, MODES, rounds)] + [(name, s, ["local", "token"], max(3, rounds // 4)) for name, s in sizes]
+    steps = run_step_jobs(2, jobs)
+    report["overhead"] = {m: _summary(t) for m, t in steps["overhead"]["times"].items()}
+    report["collectives"] = steps["overhead"]["collectives"]
+    report["scaling_size"] = {name: {m: _summary(t) for m, t in steps[name]["times"].items()} for name, _ in sizes}
+
+    print("[2/3] generation with and without the KV cache...", flush=True)
+    report["generation"] = bench_generation([16, 64, 256], 32, 3 if args.quick else 10)
+
+    print("[3/3] world size 1, 2, 4 (4 ranks oversubscribe 2 cores)...", flush=True)
+    report["scaling_world"] = {}
+    for world_size in (1, 2, 4):
+        res = run_step_jobs(world_size, [("world", base, ["local", "token"], max(3, rounds // 4))])
+        report["scaling_world"][world_size] = {m: _summary(t) for m, t in res["world"]["times"].items()}
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "results.md").write_text(render_markdown(report))
+    print((out / "results.md").read_text())
+
+
+def render_markdown(report: dict) -> str:
+    """The tables of ``results.md`` from the JSON report."""
+    m = report["machine"]
+    s = report["setup"]
+    local = report["overhead"]["local"]["median_ms"]
+    lines = [
+        "# gradnorm benchmark results",
+        "",
+        f"Generated by `python -m gradnorm.bench` on {m['cpus']} CPUs ({m['platform']}), torch {m['torch']}.",
+        f"Minibatch: {s['num_groups']} groups x {s['group_size']} completions, responses of 1..{s['max_response']}"
+        f" tokens, TinyGPT n_embd={s['n_embd']} n_layer={s['n_layer']}, A={s['accum_steps']},"
+        f" --shard {s['shard']}, {report['rounds']} interleaved rounds after a warm-up.",
+        "",
+        "## 1. What correct normalization costs (2 gloo ranks)",
+        "",
+        "| mode | median step (ms) | p10-p90 (ms) | ratio to local | collectives / step beyond DDP |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, row in report["overhead"].items():
+        lines.append(f"| {mode} | {row['median_ms']:.2f} | {row['p10_ms']:.2f}-{row['p90_ms']:.2f} |"
+                     f" {row['median_ms'] / local:.3f} | {report['collectives'][mode]} |")
+    lines += ["", "## 2. Rollout generation: KV cache against full recompute (1 process, 1 thread)", "",
+              "| batch | new tokens | with cache (tok/s) | without (tok/s) | speed-up |", "|---|---|---|---|---|"]
+    for row in report["generation"]:
+        lines.append(f"| {row['batch']} | {row['new_tokens']} | {row['cache_tok_s']:.0f} | {row['no_cache_tok_s']:.0f} |"
+                     f" {row['speedup']:.2f}x |")
+    lines += ["", "## 3. Scaling (token against local, median ms per optimizer step)", "",
+              "| configuration | local | token | ratio |", "|---|---|---|---|"]
+    for name, row in report["scaling_size"].items():
+        lines.append(f"| 2 ranks, {name} | {row['local']['median_ms']:.2f} | {row['token']['median_ms']:.2f} |"
+                     f" {row['token']['median_ms'] / row['local']['median_ms']:.3f} |")
+    for world_size, row in report["scaling_world"].items():
+        lines.append(f"| W={world_size}, same global batch | {row['local']['median_ms']:.2f} |"
+                     f" {row['token']['median_ms']:.2f} | {row['token']['median_ms'] / row['local']['median_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
