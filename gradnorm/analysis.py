@@ -1,0 +1,503 @@
+"""The numbers behind the notebooks and figures: pure functions that return data, never draw.
+
+Every view of the bug is built from the library's own arithmetic, never re-derived here:
+per-token weights come from ``simulate.effective_weights``, gradients from
+``simulate.simulated_gradient`` on ``equivalence``'s policy and GRPO minibatch, advantages from
+``grpo.group_advantages``. Modes are named by strings everywhere in this module:
+
+    "local", "token", "sequence", "group"   the modes of ``gradnorm.denominators``
+    "constant"                              Dr GRPO's C = S * max_new_tokens (``dr_grpo_constant``)
+
+Three families of views:
+
+1. Token imbalance without a model (notebook 01): ``imbalanced_minibatch`` lays out a minibatch
+   with one short microbatch, ``token_layout`` gives each sequence's per-token weight,
+   ``rank_shares`` each rank's share of the update against its share of the tokens.
+2. Real gradients (notebook 02): ``gradient_sweep`` measures each mode's gradient against the
+   full-batch gradient as ``ragged_lengths`` grow more ragged; ``ddp_check`` repeats one point on
+   real gloo processes.
+3. Length bias (notebook 04): ``length_weights``, ``correct_vs_wrong`` and ``batch_dependence``
+   show how each denominator weighs long against short and correct against wrong responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gradnorm.denominators import Denominator
+from gradnorm.equivalence import Case, make_policy, make_problem, run_ddp, token_losses
+from gradnorm.grpo import group_advantages
+from gradnorm.sharding import Plan, contiguous, make_plan
+from gradnorm.simulate import effective_weights, simulated_gradient
+
+MODE_NAMES: tuple[str, ...] = ("local", "token", "sequence", "group", "constant")
+INVARIANT_MODES: tuple[str, ...] = ("token", "sequence", "group", "constant")
+# Who uses which denominator (papers by name; see DESIGN.md "Facts from the field").
+PAPER_OF_MODE = {
+    "sequence": "DeepSeekMath GRPO",
+    "token": "DAPO",
+    "constant": "Dr GRPO",
+    "group": "per-prompt mean",
+    "local": "per-microbatch mean (the bug)",
+}
+
+
+def dr_grpo_constant(num_sequences: int, max_new_tokens: int) -> float:
+    """Dr GRPO's constant denominator C = S * max_new_tokens: the most tokens S responses can hold."""
+    return float(num_sequences * max_new_tokens)
+
+
+def resolve(mode: str, num_sequences: int, max_new_tokens: int) -> Denominator:
+    """A mode name of this module -> the denominator ``gradnorm.denominators`` takes."""
+    if mode == "constant":
+        return dr_grpo_constant(num_sequences, max_new_tokens)
+    if mode not in MODE_NAMES:
+        raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODE_NAMES)}")
+    return mode
+
+
+def response_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
+    """M (S, T): True on the first |o_i| positions of each row."""
+    max_len = int(lengths.max()) if max_len is None else max_len
+    return torch.arange(max(max_len, 1)) < lengths.unsqueeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Token imbalance without a model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """A minibatch of response lengths laid out over W ranks x A microbatches."""
+
+    lengths: Tensor  # (S,) |o_i|, int64
+    group_ids: Tensor  # (S,) prompt group of each sequence
+    num_groups: int
+    plan: Plan  # plan[r][m]: sequence indices of rank r's microbatch m
+
+    @property
+    def mask(self) -> Tensor:  # (S, T) bool
+        return response_mask(self.lengths)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.plan)
+
+    @property
+    def accum_steps(self) -> int:
+        return len(self.plan[0])
+
+    def microbatch_tokens(self) -> np.ndarray:
+        """N[r, m] (W, A): response tokens in rank r's microbatch m."""
+        return np.array([[int(self.lengths[mb].sum()) for mb in rank] for rank in self.plan])
+
+
+def imbalanced_minibatch(
+    world_size: int = 2,
+    accum_steps: int = 2,
+    imbalance: float = 4.0,
+    seqs_per_microbatch: int = 2,
+    full_length: int = 12,
+) -> Minibatch:
+    """Every microbatch full, except rank 0's first, whose tokens are ``imbalance`` times fewer.
+
+    Each microbatch holds ``seqs_per_microbatch`` sequences (one prompt group) of ``full_length``
+    response tokens; the sequences of rank 0's first microbatch have
+    max(1, round(full_length / imbalance)) tokens. imbalance = 1 is perfectly balanced.
+    """
+    if imbalance < 1:
+        raise ValueError(f"imbalance is a ratio of token counts, >= 1; got {imbalance}")
+    num_sequences = world_size * accum_steps * seqs_per_microbatch
+    short_length = max(1, round(full_length / imbalance))
+    lengths = torch.full((num_sequences,), full_length, dtype=torch.int64)
+    lengths[:seqs_per_microbatch] = short_length  # contiguous sharding puts these on rank 0, mb 0
+    return Minibatch(
+        lengths=lengths,
+        group_ids=torch.arange(num_sequences) // seqs_per_microbatch,
+        num_groups=world_size * accum_steps,
+        plan=contiguous(lengths, world_size, accum_steps),
+    )
+
+
+def worked_example_minibatch() -> Minibatch:
+    """The seed example of ``gradnorm.worked_example``: 2 ranks x 2 microbatches, tokens 3, 14 | 12, 12."""
+    from gradnorm import worked_example as ex
+
+    return Minibatch(lengths=ex.LENGTHS.clone(), group_ids=ex.GROUPS.clone(), num_groups=2, plan=ex.PLAN)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every sequence of a minibatch in plan order (rank by rank, microbatch by microbatch)."""
+
+    sequence: np.ndarray  # (S,) index of the sequence in the minibatch
+    rank: np.ndarray  # (S,) r
+    microbatch: np.ndarray  # (S,) m
+    length: np.ndarray  # (S,) |o_i|
+    left: np.ndarray  # (S,) tokens laid out before this sequence
+    weight: np.ndarray  # (S,) w: the weight of each of its tokens in J (one value per sequence)
+
+    @property
+    def total(self) -> np.ndarray:
+        """|o_i| * w: the sequence's total weight in J."""
+        return self.length * self.weight
+
+
+def token_layout(batch: Minibatch, mode: str, max_new_tokens: int | None = None) -> Layout:
+    """Per-token weight of every sequence under ``mode`` and ``batch.plan``.
+
+    Within a sequence every mode gives all tokens the same weight, so one number per sequence
+    says it all; a bar of width |o_i| and height w has the sequence's total weight as its area.
+    """
+    max_new_tokens = int(batch.lengths.max()) if max_new_tokens is None else max_new_tokens
+    denominator = resolve(mode, len(batch.lengths), max_new_tokens)
+    mask = batch.mask
+    w = effective_weights(mask, batch.group_ids, batch.num_groups, denominator, batch.plan)  # (S, T)
+    order, ranks, mbs = [], [], []
+    for r, rank in enumerate(batch.plan):
+        for m, mb in enumerate(rank):
+            order += mb.tolist()
+            ranks += [r] * len(mb)
+            mbs += [m] * len(mb)
+    order_t = torch.tensor(order, dtype=torch.long)
+    length = batch.lengths[order_t].numpy()
+    per_token = w[order_t].max(-1).values.numpy()  # the one nonzero value of each row (0 if empty)
+    return Layout(
+        sequence=np.array(order), rank=np.array(ranks), microbatch=np.array(mbs), length=length,
+        left=np.concatenate([[0], np.cumsum(length)[:-1]]), weight=per_token,
+    )
+
+
+@dataclass(frozen=True)
+class RankShares:
+    """Each rank's share of the update next to its share of the response tokens."""
+
+    update: np.ndarray  # (W,) sum of rank r's token weights / sum of all token weights
+    tokens: np.ndarray  # (W,) tokens on rank r / N
+
+
+def rank_shares(mask: Tensor, group_ids: Tensor, num_groups: int, denominator: Denominator, plan: Plan) -> RankShares:
+    """How much of the update each rank's tokens carry, and how many of the tokens it holds.
+
+    The update is J = sum w * l * M, so rank r's share of it is the sum of its tokens' weights
+    over the sum of all weights (for a constant C that sum is N/C, not 1, hence the ratio).
+    Invariant token-mean modes give every rank exactly its share of the tokens; ``local`` gives
+    every rank with tokens in all its microbatches 1/W, whatever it holds.
+    """
+    w = effective_weights(mask, group_ids, num_groups, denominator, plan)  # (S, T)
+    rank_idx = [torch.cat(rank) for rank in plan]
+    weight = np.array([float(w[idx].sum()) for idx in rank_idx])
+    tokens = np.array([float(mask[idx].sum()) for idx in rank_idx])
+    return RankShares(update=_normalize(weight), tokens=_normalize(tokens))
+
+
+def batch_rank_shares(batch: Minibatch, mode: str) -> RankShares:
+    """``rank_shares`` of a ``Minibatch`` under a mode name."""
+    denominator = resolve(mode, len(batch.lengths), int(batch.lengths.max()))
+    return rank_shares(batch.mask, batch.group_ids, batch.num_groups, denominator, batch.plan)
+
+
+def _normalize(x: np.ndarray) -> np.ndarray:
+    total = x.sum()
+    return x / total if total > 0 else np.zeros_like(x)
+
+
+def weight_ratio(layout: Layout) -> float:
+    """Largest over smallest per-token weight among tokens that exist: 1 means all tokens equal."""
+    w = layout.weight[layout.length > 0]
+    return float(w.max() / w.min()) if len(w) else 1.0
+
+
+@dataclass(frozen=True)
+class ShareSweep:
+    """Rank 0's share of the update under each mode, and of the tokens, as the imbalance grows."""
+
+    imbalance: np.ndarray  # (K,)
+    token_share: np.ndarray  # (K,) rank 0's share of the tokens
+    update_share: dict[str, np.ndarray]  # mode -> (K,) rank 0's share of the update
+
+
+def share_sweep(
+    imbalances: Sequence[float], world_size: int = 2, accum_steps: int = 2, modes: Sequence[str] = ("local", "token"),
+    **minibatch_kwargs,
+) -> ShareSweep:
+    """Rank 0's shares over ``imbalanced_minibatch(world_size, accum_steps, imbalance)`` for each imbalance."""
+    batches = [imbalanced_minibatch(world_size, accum_steps, k, **minibatch_kwargs) for k in imbalances]
+    return ShareSweep(
+        imbalance=np.asarray(imbalances, dtype=float),
+        token_share=np.array([batch_rank_shares(b, "token").tokens[0] for b in batches]),
+        update_share={m: np.array([batch_rank_shares(b, m).update[0] for b in batches]) for m in modes},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Real gradients: a policy, a ragged GRPO minibatch, every mode against the full batch
+# ---------------------------------------------------------------------------------------------
+
+MAX_LEN = 12  # equivalence.run_ddp's workers build make_problem with its default max_len = 12
+GROUP_SIZE = 4  # ... and its default group size
+
+
+def ragged_lengths(imbalance: float, num_sequences: int = 32, max_len: int = MAX_LEN, seed: int = 0) -> tuple[int, ...]:
+    """Response lengths spread log-uniformly from max_len / imbalance to max_len.
+
+    The same seeded draw u_i in [0, 1) serves every imbalance: |o_i| = round(max_len * imbalance^-u_i),
+    at least 1. imbalance = 1 makes every response max_len long; larger values make them ragged
+    (longest / shortest about ``imbalance``) while keeping the same order.
+    """
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(num_sequences, generator=g, dtype=torch.float64)
+    lengths = torch.round(max_len * imbalance ** (-u)).clamp(min=1, max=max_len)
+    return tuple(int(x) for x in lengths)
+
+
+def _flat(grads: Sequence[Tensor]) -> Tensor:
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def policy_gradient(lengths: Sequence[int], mode: str, plan: Plan | None = None, seed: int = 0) -> Tensor:
+    """The flat gradient of one optimizer step of ``equivalence``'s policy on its GRPO minibatch.
+
+    ``plan=None`` is the full batch: one rank, one microbatch. The minibatch has the response
+    ``lengths``; everything else about it (tokens, rewards, old and reference log-probs) is fixed
+    by the seed, so only the lengths change between calls with different lengths.
+    """
+    problem = make_problem(lengths=lengths, group_size=GROUP_SIZE, max_len=MAX_LEN, seed=seed)
+    policy = make_policy(seed)
+    plan = [[torch.arange(len(lengths))]] if plan is None else plan
+    denominator = resolve(mode, len(lengths), MAX_LEN)
+    grads = simulated_gradient(
+        lambda idx: token_losses(policy, problem, idx).loss, list(policy.parameters()),
+        problem.mask, problem.group_ids, problem.num_groups, denominator, plan,
+    )
+    return _flat(grads)
+
+
+def compare(grad: Tensor, reference: Tensor) -> tuple[float, float]:
+    """(relative error |g - g_ref| / |g_ref|, cosine similarity) of two flat gradients."""
+    ref_norm = float(reference.norm())
+    if ref_norm == 0.0:
+        return float(grad.norm()), 1.0 if float(grad.norm()) == 0.0 else 0.0
+    rel = float((grad - reference).norm()) / ref_norm
+    cos = float(torch.dot(grad, reference) / (grad.norm() * reference.norm()).clamp(min=1e-300))
+    return rel, cos
+
+
+@dataclass(frozen=True)
+class GradientSweep:
+    """Each mode's sharded gradient against its full-batch gradient, as lengths grow ragged."""
+
+    shard: str
+    world_size: int
+    accum_steps: int
+    imbalance: np.ndarray  # (K,) the ``ragged_lengths`` parameter
+    microbatch_tokens: np.ndarray  # (K, W, A) N[r, m] under the sharding
+    relative_error: dict[str, np.ndarray]  # mode -> (K,)
+    cosine: dict[str, np.ndarray]  # mode -> (K,)
+
+
+def gradient_sweep(
+    imbalances: Sequence[float],
+    modes: Sequence[str] = MODE_NAMES,
+    shard: str = "length",
+    world_size: int = 2,
+    accum_steps: int = 2,
+    num_sequences: int = 32,
+    seed: int = 0,
+) -> GradientSweep:
+    """For each imbalance and mode: shard the minibatch, simulate W ranks x A microbatches, and
+    compare the gradient with the same mode's full-batch gradient (W = A = 1).
+
+    The full-batch gradient of ``local`` is the token mean's (one microbatch: one local mean), so
+    ``local``'s error is its distance from the fix; the other modes' errors are rounding.
+    """
+    rel = {m: [] for m in modes}
+    cos = {m: [] for m in modes}
+    tokens = []
+    for k in imbalances:
+        lengths = ragged_lengths(k, num_sequences, seed=seed)
+        plan = make_plan(shard, torch.tensor(lengths), world_size, accum_steps)
+        tokens.append([[sum(lengths[i] for i in mb.tolist()) for mb in rank] for rank in plan])
+        for m in modes:
+            r, c = compare(policy_gradient(lengths, m, plan, seed), policy_gradient(lengths, m, None, seed))
+            rel[m].append(r)
+            cos[m].append(c)
+    return GradientSweep(
+        shard=shard, world_size=world_size, accum_steps=accum_steps, imbalance=np.asarray(imbalances, dtype=float),
+        microbatch_tokens=np.array(tokens), relative_error={m: np.array(v) for m, v in rel.items()},
+        cosine={m: np.array(v) for m, v in cos.items()},
+    )
+
+
+@dataclass(frozen=True)
+class DdpCheck:
+    """One mode on real gloo ranks next to the in-process simulation of the same step."""
+
+    mode: str
+    max_abs_diff: float  # max |real - simulated| over the gradient's entries
+    relative_error: float  # |real - full batch| / |full batch|
+    cosine: float  # cosine(real, full batch)
+
+
+def ddp_check(
+    lengths: Sequence[int], modes: Sequence[str] = MODE_NAMES, shard: str = "length", world_size: int = 2,
+    accum_steps: int = 2,
+) -> list[DdpCheck]:
+    """Run one optimizer step per mode on ``world_size`` real gloo processes (DDP, accumulation).
+
+    Spawns the processes once (``equivalence.run_ddp``, about 10 s on 2 cores) and returns, per
+    mode, how far the real gradient is from the simulation and from the full-batch gradient.
+    """
+    lengths = tuple(int(x) for x in lengths)
+    if max(lengths) > MAX_LEN or len(lengths) % GROUP_SIZE:
+        raise ValueError(f"run_ddp's minibatch needs lengths <= {MAX_LEN} in groups of {GROUP_SIZE}")
+    cases = [Case(resolve(m, len(lengths), MAX_LEN), accum_steps, shard, lengths=lengths) for m in modes]
+    real = run_ddp(world_size, cases)[0]["grads"]  # every rank holds the same reduced gradient
+    plan = make_plan(shard, torch.tensor(lengths), world_size, accum_steps)
+    out = []
+    for k, m in enumerate(modes):
+        rel, cos = compare(real[k], policy_gradient(lengths, m, None))
+        diff = float((real[k] - policy_gradient(lengths, m, plan)).abs().max())
+        out.append(DdpCheck(mode=m, max_abs_diff=diff, relative_error=rel, cosine=cos))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Length bias: how each denominator weighs long against short, correct against wrong
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LengthWeights:
+    """One minibatch on one rank: each sequence's per-token weight and total weight per mode."""
+
+    lengths: np.ndarray  # (S,)
+    group_ids: np.ndarray  # (S,)
+    max_new_tokens: int
+    token_weight: dict[str, np.ndarray]  # mode -> (S,) w of each of the sequence's tokens
+    total_weight: dict[str, np.ndarray]  # mode -> (S,) |o_i| * w: the sequence's weight in J
+
+    def share(self, mode: str) -> np.ndarray:
+        """(S,) each sequence's share of the update (total weights normalized to sum 1)."""
+        return _normalize(self.total_weight[mode])
+
+    def group_share(self, mode: str) -> np.ndarray:
+        """(G,) each prompt group's share of the update."""
+        return np.bincount(self.group_ids, weights=self.share(mode))
+
+
+def staircase_lengths(num_groups: int = 4, group_size: int = 4, step: int = 4) -> list[int]:
+    """Prompt g's responses have (g+1) * step * (1, 2, ..., group_size) tokens: short and long
+    responses within every prompt, and prompts whose responses are longer overall."""
+    return [(g + 1) * step * (i + 1) for g in range(num_groups) for i in range(group_size)]
+
+
+def length_weights(
+    lengths: Sequence[int], group_size: int, modes: Sequence[str] = INVARIANT_MODES, max_new_tokens: int | None = None
+) -> LengthWeights:
+    """Per-token and per-sequence weights of every mode for one minibatch (W = A = 1).
+
+    Sequences come in consecutive prompt groups of ``group_size``. ``max_new_tokens`` sets Dr
+    GRPO's constant (default: the longest response).
+    """
+    lengths_t = torch.as_tensor(lengths, dtype=torch.int64)
+    max_new_tokens = int(lengths_t.max()) if max_new_tokens is None else max_new_tokens
+    batch = Minibatch(lengths_t, torch.arange(len(lengths_t)) // group_size,
+                      -(-len(lengths_t) // group_size), [[torch.arange(len(lengths_t))]])
+    per_token = {m: _by_sequence(token_layout(batch, m, max_new_tokens)) for m in modes}
+    length = lengths_t.numpy()
+    return LengthWeights(
+        lengths=length, group_ids=batch.group_ids.numpy(), max_new_tokens=max_new_tokens,
+        token_weight=per_token, total_weight={m: w * length for m, w in per_token.items()},
+    )
+
+
+def _by_sequence(layout: Layout) -> np.ndarray:
+    out = np.zeros(len(layout.sequence))
+    out[layout.sequence] = layout.weight
+    return out
+
+
+@dataclass(frozen=True)
+class CorrectVsWrong:
+    """One prompt group: k correct responses of one length, G - k wrong ones of another.
+
+    With the importance ratio at 1 (first step on fresh samples) the GRPO gradient raises the
+    log-prob of each token of response i by w_i * A_i: its *push*. Correct responses have A > 0
+    (pushed up), wrong ones A < 0 (pushed down).
+    """
+
+    correct_len: int
+    wrong_len: int
+    num_correct: int
+    group_size: int
+    advantage_correct: float
+    advantage_wrong: float
+    push_per_token: dict[str, tuple[float, float]]  # mode -> (correct token, wrong token), in units of 1/N
+    update_share: dict[str, tuple[float, float]]  # mode -> share of sum |push| on (correct, wrong) responses
+
+
+def correct_vs_wrong(
+    correct_len: int, wrong_len: int, num_correct: int = 4, group_size: int = 8,
+    modes: Sequence[str] = INVARIANT_MODES, max_new_tokens: int = 64, scale_by_std: bool = True,
+) -> CorrectVsWrong:
+    """The push on a correct and on a wrong token under each mode, and how |push| splits.
+
+    Pushes are reported in units of 1/N (multiplied by the minibatch's token count), the token
+    mode's weight, so that ``token`` reads as the bare advantages and the other modes as how far
+    they depart from it.
+    """
+    if not 0 < num_correct < group_size:
+        raise ValueError(f"need 0 < num_correct < group_size, got {num_correct} of {group_size}")
+    if max(correct_len, wrong_len) > max_new_tokens:
+        raise ValueError(f"responses cannot be longer than max_new_tokens = {max_new_tokens}")
+    lengths = [correct_len] * num_correct + [wrong_len] * (group_size - num_correct)
+    rewards = torch.tensor([1.0] * num_correct + [0.0] * (group_size - num_correct), dtype=torch.float64)
+    adv = group_advantages(rewards, group_size, scale_by_std=scale_by_std).numpy()  # (G,)
+    view = length_weights(lengths, group_size, modes, max_new_tokens)
+    tokens = sum(lengths)
+    push, share = {}, {}
+    for m in modes:
+        w = view.token_weight[m]
+        push[m] = (float(w[0] * adv[0] * tokens), float(w[-1] * adv[-1] * tokens))
+        total = np.abs(view.total_weight[m] * adv)
+        s = _normalize(np.array([total[:num_correct].sum(), total[num_correct:].sum()]))
+        share[m] = (float(s[0]), float(s[1]))
+    return CorrectVsWrong(
+        correct_len=correct_len, wrong_len=wrong_len, num_correct=num_correct, group_size=group_size,
+        advantage_correct=float(adv[0]), advantage_wrong=float(adv[-1]), push_per_token=push, update_share=share,
+    )
+
+
+@dataclass(frozen=True)
+class BatchDependence:
+    """The per-token weight of one fixed response as the rest of its minibatch grows longer."""
+
+    own_length: int
+    other_length: np.ndarray  # (K,) the length of every other response of the minibatch
+    token_weight: dict[str, np.ndarray]  # mode -> (K,) the fixed response's per-token weight
+
+
+def batch_dependence(
+    other_lengths: Sequence[int], own_length: int = 16, num_sequences: int = 16, group_size: int = 4,
+    modes: Sequence[str] = INVARIANT_MODES, max_new_tokens: int = 64,
+) -> BatchDependence:
+    """Sequence 0 keeps ``own_length`` tokens while every other response has ``other_length``.
+
+    Under ``token`` its tokens weigh 1/N, so they count less when the *other* responses are long;
+    under ``group`` only its own group matters; ``sequence`` and a constant ignore the others.
+    """
+    weights = {m: [] for m in modes}
+    for other in other_lengths:
+        lengths = [own_length] + [int(other)] * (num_sequences - 1)
+        view = length_weights(lengths, group_size, modes, max_new_tokens)
+        for m in modes:
+            weights[m].append(view.token_weight[m][0])
+    return BatchDependence(own_length=own_length, other_length=np.asarray(other_lengths),
+                           token_weight={m: np.array(v) for m, v in weights.items()})

@@ -1,0 +1,219 @@
+"""The numbers behind the notebooks, against values worked out by hand.
+
+Every view in ``gradnorm.analysis`` is checked on a case small enough to do on paper, and each
+comes with a control that must fail: ``local`` must differ from ``token`` when microbatch token
+counts are ragged and agree with it when they are balanced, so a test that cannot fail would show.
+"""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+
+from gradnorm import analysis
+from gradnorm.sharding import make_plan
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # The gradients here are tiny; on a busy 2-core machine a second intra-op thread makes them
+    # an order of magnitude slower. Restored afterwards for the other test modules.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def fractions(weights):
+    return [Fraction(float(w)).limit_denominator(10_000) for w in weights]
+
+
+# ------------------------------------------------------------------ 1. token imbalance
+
+
+def test_imbalanced_minibatch_layout():
+    batch = analysis.imbalanced_minibatch(world_size=2, accum_steps=2, imbalance=4, seqs_per_microbatch=2, full_length=12)
+    assert batch.lengths.tolist() == [3, 3, 12, 12, 12, 12, 12, 12]
+    assert batch.microbatch_tokens().tolist() == [[6, 24], [24, 24]]
+    assert (batch.world_size, batch.accum_steps, batch.num_groups) == (2, 2, 4)
+    with pytest.raises(ValueError):
+        analysis.imbalanced_minibatch(imbalance=0.5)
+
+
+def test_token_layout_by_hand():
+    # N = 78 tokens; local: w = 1 / (W * A * N[r, m]) = 1/24 in the 6-token microbatch, 1/96 elsewhere.
+    batch = analysis.imbalanced_minibatch(2, 2, 4, full_length=12)
+    local = analysis.token_layout(batch, "local")
+    assert fractions(local.weight) == [Fraction(1, 24)] * 2 + [Fraction(1, 96)] * 6
+    assert local.rank.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert local.microbatch.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert local.left.tolist() == [0, 3, 6, 18, 30, 42, 54, 66]
+    assert analysis.weight_ratio(local) == pytest.approx(4.0)
+    token = analysis.token_layout(batch, "token")
+    assert fractions(token.weight) == [Fraction(1, 78)] * 8
+    assert analysis.weight_ratio(token) == pytest.approx(1.0)
+    assert token.total.sum() == pytest.approx(1.0)
+
+
+def test_rank_shares_by_hand_and_the_control():
+    batch = analysis.imbalanced_minibatch(2, 2, 4, full_length=12)
+    local = analysis.batch_rank_shares(batch, "local")
+    token = analysis.batch_rank_shares(batch, "token")
+    assert_allclose(local.tokens, [30 / 78, 48 / 78])
+    assert_allclose(local.update, [0.5, 0.5])  # every rank gets 1/W under local
+    assert_allclose(token.update, token.tokens)  # the fix: the update follows the tokens
+    assert not np.allclose(local.update, local.tokens)  # control: ragged counts must show
+    balanced = analysis.imbalanced_minibatch(2, 2, 1, full_length=12)
+    assert_allclose(analysis.batch_rank_shares(balanced, "local").update, [0.5, 0.5])
+    assert_allclose(analysis.batch_rank_shares(balanced, "local").update,
+                    analysis.batch_rank_shares(balanced, "token").update)
+
+
+def test_worked_example_numbers():
+    batch = analysis.worked_example_minibatch()
+    assert batch.microbatch_tokens().tolist() == [[3, 14], [12, 12]]
+    local = analysis.token_layout(batch, "local")
+    assert fractions(local.weight) == [Fraction(1, 12)] * 2 + [Fraction(1, 56)] * 2 + [Fraction(1, 48)] * 4
+    assert_allclose(analysis.batch_rank_shares(batch, "local").update, [0.5, 0.5])
+    assert_allclose(analysis.batch_rank_shares(batch, "token").update, [17 / 41, 24 / 41])
+
+
+def test_rank_shares_of_a_constant_are_token_shares_even_though_weights_sum_below_one():
+    batch = analysis.worked_example_minibatch()
+    shares = analysis.rank_shares(batch.mask, batch.group_ids, batch.num_groups, 48.0, batch.plan)
+    assert_allclose(shares.update, [17 / 41, 24 / 41])
+
+
+def test_rank_shares_with_an_empty_rank():
+    lengths = torch.tensor([0, 0, 5, 7])
+    plan = make_plan("contiguous", lengths, 2, 1)
+    shares = analysis.rank_shares(analysis.response_mask(lengths), torch.tensor([0, 0, 1, 1]), 2, "token", plan)
+    assert_allclose(shares.tokens, [0, 1])
+    assert_allclose(shares.update, [0, 1])
+
+
+def test_share_sweep():
+    sweep = analysis.share_sweep([1, 2, 4], world_size=2, accum_steps=2, full_length=12)
+    assert_allclose(sweep.update_share["local"], [0.5, 0.5, 0.5])
+    # rank 0 holds 2 * 12 / imbalance + 24 of 2 * 12 / imbalance + 72 tokens
+    assert_allclose(sweep.token_share, [48 / 96, 36 / 84, 30 / 78])
+    assert_allclose(sweep.update_share["token"], sweep.token_share)
+
+
+# ------------------------------------------------------------------ 2. real gradients
+
+
+def test_ragged_lengths():
+    assert analysis.ragged_lengths(1, 8) == (12,) * 8
+    lengths = np.array(analysis.ragged_lengths(12, 32))
+    assert lengths.min() >= 1 and lengths.max() <= 12 and lengths.max() / lengths.min() >= 6
+    # one draw serves every imbalance: a response never gets shorter than another it was longer than
+    a, b = np.array(analysis.ragged_lengths(4, 32)), lengths
+    assert np.all(np.subtract.outer(a, a) * np.subtract.outer(b, b) >= 0)
+    assert analysis.ragged_lengths(4, 32, seed=1) != analysis.ragged_lengths(4, 32, seed=0)
+
+
+def test_gradient_sweep_local_drifts_and_the_fixed_modes_do_not():
+    sweep = analysis.gradient_sweep([1, 4, 12], shard="length", world_size=2, accum_steps=2)
+    assert sweep.microbatch_tokens.shape == (3, 2, 2)
+    assert np.all(sweep.microbatch_tokens[0] == 8 * 12)  # imbalance 1: 8 responses of 12 tokens each
+    for mode in analysis.INVARIANT_MODES:
+        assert sweep.relative_error[mode].max() < 1e-12, mode
+        assert_allclose(sweep.cosine[mode], 1.0, atol=1e-12)
+    local = sweep.relative_error["local"]
+    assert local[0] < 1e-12  # balanced microbatches: the mean of means is the mean (control)
+    assert local[1] > 0.1 and local[2] > local[1]  # and it grows with the imbalance
+    assert sweep.cosine["local"][2] < 0.95
+
+
+def test_gradient_of_a_constant_is_the_token_gradient_rescaled():
+    lengths = analysis.ragged_lengths(4, 16)
+    token = analysis.policy_gradient(lengths, "token")
+    constant = analysis.policy_gradient(lengths, "constant")  # C = S * 12
+    torch.testing.assert_close(constant, token * sum(lengths) / (16 * 12))
+
+
+def test_compare():
+    g = torch.tensor([1.0, 0.0])
+    assert analysis.compare(g, g) == (0.0, 1.0)
+    rel, cos = analysis.compare(torch.tensor([0.0, 1.0]), g)
+    assert rel == pytest.approx(2 ** 0.5) and cos == pytest.approx(0.0)
+    assert analysis.compare(torch.zeros(2), torch.zeros(2)) == (0.0, 1.0)
+
+
+def test_ddp_check_rejects_lengths_run_ddp_cannot_build():
+    with pytest.raises(ValueError):
+        analysis.ddp_check([13, 1, 1, 1])
+
+
+def test_ddp_check_on_real_processes():
+    checks = analysis.ddp_check(analysis.ragged_lengths(12, 16), modes=("local", "token"), world_size=2,
+                                accum_steps=2)
+    assert [c.mode for c in checks] == ["local", "token"]
+    assert all(c.max_abs_diff < 1e-12 for c in checks)
+    assert checks[1].relative_error < 1e-12 and checks[0].relative_error > 0.1
+
+
+# ------------------------------------------------------------------ 3. length bias
+
+
+def test_resolve_and_dr_grpo_constant():
+    assert analysis.resolve("constant", 16, 64) == 1024.0
+    assert analysis.resolve("token", 16, 64) == "token"
+    with pytest.raises(ValueError):
+        analysis.resolve("mean", 16, 64)
+
+
+def test_length_weights_by_hand():
+    # One prompt group of 4 responses with 4, 8, 12, 16 tokens (N = 40), another with 8 tokens each (N = 32).
+    view = analysis.length_weights([4, 8, 12, 16, 8, 8, 8, 8], group_size=4, max_new_tokens=20)
+    assert fractions(view.token_weight["token"]) == [Fraction(1, 72)] * 8
+    assert fractions(view.token_weight["sequence"])[:4] == [Fraction(1, 32), Fraction(1, 64), Fraction(1, 96),
+                                                           Fraction(1, 128)]
+    assert fractions(view.token_weight["group"]) == [Fraction(1, 80)] * 4 + [Fraction(1, 64)] * 4
+    assert fractions(view.token_weight["constant"]) == [Fraction(1, 160)] * 8
+    assert_allclose(view.share("sequence"), 1 / 8)
+    assert_allclose(view.group_share("group"), [0.5, 0.5])
+    assert_allclose(view.group_share("token"), [40 / 72, 32 / 72])
+    assert_allclose(view.share("constant"), view.share("token"))
+
+
+def test_staircase_lengths():
+    assert analysis.staircase_lengths(2, 3, 4) == [4, 8, 12, 8, 16, 24]
+
+
+def test_correct_vs_wrong_by_hand():
+    # 4 correct of 10 tokens and 4 wrong of 40; rewards 1/0 give advantages +a and -a.
+    view = analysis.correct_vs_wrong(10, 40, num_correct=4, group_size=8, max_new_tokens=64)
+    a = view.advantage_correct
+    assert view.advantage_wrong == pytest.approx(-a)
+    # token: w = 1/N, so the push in units of 1/N is the advantage itself
+    assert view.push_per_token["token"] == pytest.approx((a, -a))
+    # sequence: w = 1/(S |o_i|), times N = 200: 200/80 for a correct token, 200/320 for a wrong one
+    up, down = view.push_per_token["sequence"]
+    assert up == pytest.approx(a * 200 / 80) and down == pytest.approx(-a * 200 / 320)
+    assert abs(down) / up == pytest.approx(0.25)  # the length bias: 10 / 40
+    assert view.push_per_token["constant"] == pytest.approx((a * 200 / 512, -a * 200 / 512))
+    assert view.update_share["token"] == pytest.approx((0.2, 0.8))  # 40 of 200 tokens are correct
+    assert view.update_share["sequence"] == pytest.approx((0.5, 0.5))
+    # control: with equal lengths the length bias disappears
+    even = analysis.correct_vs_wrong(20, 20, num_correct=4)
+    up, down = even.push_per_token["sequence"]
+    assert abs(down) / up == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        analysis.correct_vs_wrong(10, 40, num_correct=0)
+
+
+def test_correct_vs_wrong_without_std_scaling():
+    view = analysis.correct_vs_wrong(10, 10, num_correct=2, group_size=8, scale_by_std=False)
+    assert view.advantage_correct == pytest.approx(0.75) and view.advantage_wrong == pytest.approx(-0.25)
+
+
+def test_batch_dependence():
+    view = analysis.batch_dependence([4, 16, 64], own_length=16, num_sequences=16, group_size=4, max_new_tokens=64)
+    assert_allclose(view.token_weight["token"], [1 / (16 + 15 * 4), 1 / 256, 1 / (16 + 15 * 64)])
+    assert_allclose(view.token_weight["sequence"], 1 / (16 * 16))
+    assert_allclose(view.token_weight["constant"], 1 / (16 * 64))
+    assert_allclose(view.token_weight["group"], [1 / (4 * (16 + 3 * 4)), 1 / (4 * 64), 1 / (4 * (16 + 3 * 64))])
