@@ -1,0 +1,301 @@
+"""Drawing the data of ``gradnorm.analysis`` on matplotlib Axes that the caller owns.
+
+Every function takes an ``Axes`` (or a ``Figure`` for the multi-panel views), draws, and returns
+the artists it made, so tests can read bar heights and line data instead of pixels. Nothing here
+touches pyplot's global state: notebooks pass axes from ``plt.subplots``, the widgets and the
+figure script pass a ``matplotlib.figure.Figure`` of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.container import BarContainer
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from gradnorm import analysis
+
+MODE_COLORS = {"local": "#d62728", "token": "#1f77b4", "sequence": "#ff7f0e", "group": "#2ca02c",
+               "constant": "#9467bd"}
+TOKENS_COLOR = "#9a9a9a"
+RANK_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
+
+
+def mode_label(mode: str) -> str:
+    """'sequence (DeepSeekMath GRPO)': the mode and who uses it."""
+    return f"{mode} ({analysis.PAPER_OF_MODE[mode]})" if mode in ("sequence", "token", "constant") else mode
+
+
+def rank_color(rank: int) -> str:
+    return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Token imbalance
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_token_weights(ax: Axes, layout: analysis.Layout, title: str | None = None, ymax: float | None = None) -> BarContainer:
+    """One bar per sequence: width |o_i| tokens, height the weight w of each of its tokens.
+
+    The bar's area is the sequence's weight in J; colours are ranks; dotted lines separate
+    microbatches. Returns the bars in plan order (``layout.sequence`` gives each one's index).
+    """
+    colors = [rank_color(r) for r in layout.rank]
+    # White edges show the responses of a small minibatch; among thousands of tokens an edge in the
+    # face colour instead keeps a bar of one or two tokens visible.
+    edges = "white" if len(layout.rank) <= 32 else colors
+    bars = ax.bar(layout.left, layout.weight, width=layout.length, align="edge", color=colors, edgecolor=edges,
+                  linewidth=0.8)
+    ends = layout.left + layout.length
+    few_microbatches = len(set(zip(layout.rank.tolist(), layout.microbatch.tolist()))) <= 16
+    for j in range(1, len(layout.rank)):  # a solid line between ranks, a dotted one between microbatches
+        if layout.rank[j] != layout.rank[j - 1]:
+            ax.axvline(layout.left[j], color="black", lw=1.2)
+        elif few_microbatches and layout.microbatch[j] != layout.microbatch[j - 1]:
+            ax.axvline(layout.left[j], color="black", lw=0.8, ls=":")
+    total = max(int(ends.max()), 1)
+    ax.set_xlim(-0.01 * total, total)  # a margin so that a one-token bar at 0 is not hidden by the spine
+    if ymax is not None:
+        ax.set_ylim(0, ymax)
+    ax.set_xlabel("response tokens, rank by rank, microbatch by microbatch")
+    ax.set_ylabel("weight w of one token in J")
+    if title:
+        ax.set_title(title)
+    return bars
+
+
+def plot_rank_shares(ax: Axes, shares: dict[str, analysis.RankShares]) -> dict[str, BarContainer]:
+    """Per rank: its share of the tokens (grey) next to its share of the update under each mode.
+
+    Returns {"tokens": bars, mode: bars, ...}, one bar per rank in each.
+    """
+    modes = list(shares)
+    world_size = len(next(iter(shares.values())).tokens)
+    width = 0.8 / (len(modes) + 1)
+    x = np.arange(world_size)
+    out = {"tokens": ax.bar(x, shares[modes[0]].tokens, width, color=TOKENS_COLOR, label="share of the tokens")}
+    for k, mode in enumerate(modes, start=1):
+        out[mode] = ax.bar(x + k * width, shares[mode].update, width, color=MODE_COLORS.get(mode, "C0"),
+                           label=f"share of the update: {mode}")
+    ax.axhline(1 / world_size, color="black", lw=0.6, ls=":")
+    ax.set_xticks(x + width * len(modes) / 2, [f"rank {r}" if world_size <= 4 else str(r) for r in range(world_size)])
+    ax.set_ylabel("share")
+    ax.set_ylim(0, max(b.get_height() for c in out.values() for b in c) * 1.6)  # room for the legend
+    ax.legend(fontsize="small", loc="upper left")
+    return out
+
+
+def imbalance_view(fig: Figure, batch: analysis.Minibatch, modes: Sequence[str] = ("local", "token")) -> dict:
+    """The whole picture of notebook 01 on ``fig``: per-token weights under each mode, rank shares.
+
+    Returns {"layout": {mode: Layout}, "weights": {mode: bars}, "shares": {mode: RankShares},
+    "share_bars": {...}} for tests and readouts.
+    """
+    axes = fig.subplots(1, len(modes) + 1, gridspec_kw={"width_ratios": [1.4] * len(modes) + [1]})
+    layouts = {m: analysis.token_layout(batch, m) for m in modes}
+    ymax = 1.1 * max(float(lay.weight.max()) for lay in layouts.values())
+    weights = {}
+    for ax, m in zip(axes, modes):
+        weights[m] = plot_token_weights(ax, layouts[m], title=f"{m}: weight of each token", ymax=ymax)
+    shares = {m: analysis.batch_rank_shares(batch, m) for m in modes}
+    share_bars = plot_rank_shares(axes[-1], shares)
+    axes[-1].set_title("each rank's share")
+    fig.tight_layout()
+    return {"layout": layouts, "weights": weights, "shares": shares, "share_bars": share_bars}
+
+
+def plot_share_sweep(ax: Axes, sweep: analysis.ShareSweep) -> dict[str, Line2D]:
+    """Rank 0's share of the update under each mode, and of the tokens, against the imbalance."""
+    out = {"tokens": ax.plot(sweep.imbalance, sweep.token_share, color=TOKENS_COLOR, lw=4, alpha=0.6,
+                             label="rank 0's share of the tokens")[0]}
+    for mode, share in sweep.update_share.items():
+        out[mode] = ax.plot(sweep.imbalance, share, color=MODE_COLORS[mode], marker="o", ms=3,
+                            label=f"rank 0's share of the update: {mode}")[0]
+    ax.set_xlabel("imbalance: tokens of a full microbatch / tokens of the short one")
+    ax.set_ylabel("share")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize="small")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Real gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_microbatch_tokens(ax: Axes, tokens: np.ndarray, title: str | None = None) -> BarContainer:
+    """N[r, m] (W, A) as bars, one per microbatch, coloured by rank."""
+    world_size, accum_steps = tokens.shape
+    labels = [f"r{r}/m{m}" for r in range(world_size) for m in range(accum_steps)]
+    bars = ax.bar(labels, tokens.reshape(-1), color=[rank_color(r) for r in range(world_size) for _ in range(accum_steps)])
+    ax.set_ylabel("response tokens")
+    ax.set_xlabel("rank / microbatch")
+    if title:
+        ax.set_title(title)
+    return bars
+
+
+def plot_gradient_sweep(
+    ax_error: Axes, ax_cosine: Axes, sweep: analysis.GradientSweep, modes: Sequence[str] | None = None,
+    marker_at: float | None = None,
+) -> dict[str, tuple[Line2D, Line2D]]:
+    """Relative error and cosine similarity against the full-batch gradient, per mode.
+
+    Returns {mode: (error line, cosine line)}. ``marker_at`` marks one imbalance with a dot.
+    """
+    modes = list(sweep.relative_error) if modes is None else list(modes)
+    out = {}
+    for mode in modes:
+        style = {"color": MODE_COLORS[mode], "marker": "o", "ms": 3, "label": mode_label(mode)}
+        if mode != "local":
+            style["ls"] = "--"
+        out[mode] = (ax_error.plot(sweep.imbalance, sweep.relative_error[mode], **style)[0],
+                     ax_cosine.plot(sweep.imbalance, sweep.cosine[mode], **style)[0])
+        if marker_at is not None:
+            k = int(np.argmin(np.abs(sweep.imbalance - marker_at)))
+            ax_error.plot([sweep.imbalance[k]], [sweep.relative_error[mode][k]], "o", color=MODE_COLORS[mode], ms=9)
+            ax_cosine.plot([sweep.imbalance[k]], [sweep.cosine[mode][k]], "o", color=MODE_COLORS[mode], ms=9)
+    where = f"{sweep.world_size} ranks x {sweep.accum_steps} microbatches, {sweep.shard} sharding"
+    ax_error.set_title(f"relative error vs the full batch\n({where})", fontsize="medium")
+    ax_error.set_ylabel("|g - g_full| / |g_full|")
+    ax_cosine.set_title(f"cosine similarity with the full batch\n({where})", fontsize="medium")
+    ax_cosine.set_ylabel("cos(g, g_full)")
+    for ax in (ax_error, ax_cosine):
+        ax.set_xlabel("imbalance: longest / shortest response")
+    ax_error.set_ylim(bottom=0)
+    ax_cosine.set_ylim(min(0.8, float(min(sweep.cosine[m].min() for m in modes)) - 0.02), 1.01)
+    ax_error.legend(fontsize="small")
+    return out
+
+
+def plot_sharding_comparison(ax: Axes, sweeps: dict[str, analysis.GradientSweep], mode: str = "local") -> dict[str, Line2D]:
+    """One mode's relative error against the imbalance, one line per sharding."""
+    out = {}
+    for k, (shard, sweep) in enumerate(sweeps.items()):
+        out[shard] = ax.plot(sweep.imbalance, sweep.relative_error[mode], marker="o", ms=3, color=f"C{k}",
+                             label=f"{shard}")[0]
+    ax.set_title(f"{mode}: relative error under each sharding", fontsize="medium")
+    ax.set_xlabel("imbalance: longest / shortest response")
+    ax.set_ylabel("|g - g_full| / |g_full|")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small", title="sharding", title_fontsize="small")
+    return out
+
+
+def gradient_view(fig: Figure, sweep: analysis.GradientSweep, mode: str, imbalance: float) -> dict:
+    """Notebook 02's explorer: microbatch tokens at one imbalance, one mode's error and cosine."""
+    ax_tokens, ax_error, ax_cosine = fig.subplots(1, 3)
+    k = int(np.argmin(np.abs(sweep.imbalance - imbalance)))
+    bars = plot_microbatch_tokens(ax_tokens, sweep.microbatch_tokens[k],
+                                  title=f"tokens per microbatch at imbalance {sweep.imbalance[k]:g}")
+    lines = plot_gradient_sweep(ax_error, ax_cosine, sweep, [mode], marker_at=sweep.imbalance[k])
+    fig.tight_layout()
+    return {"tokens": bars, "lines": lines, "index": k}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Length bias
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_length_weights(ax_token: Axes, ax_share: Axes, view: analysis.LengthWeights) -> dict[str, tuple[Line2D, Line2D]]:
+    """Per-token weight (times N, so ``token`` reads 1) and share of the update against length."""
+    order = np.argsort(view.lengths, kind="stable")
+    n_tokens = view.lengths.sum()
+    out = {}
+    for mode in view.token_weight:
+        style = {"color": MODE_COLORS[mode], "marker": "o", "ms": 4, "label": mode_label(mode)}
+        if mode == "token":  # wide and pale, so that the constant's line (same shares) shows on top
+            style.update(lw=5, alpha=0.45)
+        if mode == "group":  # not a function of length alone: it depends on the response's prompt group
+            style["ls"] = "none"
+        out[mode] = (ax_token.plot(view.lengths[order], view.token_weight[mode][order] * n_tokens, **style)[0],
+                     ax_share.plot(view.lengths[order], view.share(mode)[order], **style)[0])
+    ax_token.set_title("weight of one token (x N)")
+    ax_token.set_xlabel("response length |o_i|")
+    ax_token.set_ylabel("w x N  (token mode = 1)")
+    ax_share.set_title("the response's share of the update")
+    ax_share.set_xlabel("response length |o_i|")
+    ax_share.set_ylabel("|o_i| w / sum of all weights")
+    ax_token.legend(fontsize="small")
+    return out
+
+
+def plot_group_shares(ax: Axes, view: analysis.LengthWeights) -> dict[str, BarContainer]:
+    """Each prompt group's share of the update under each mode (grouped bars, one per group)."""
+    modes = list(view.token_weight)
+    num_groups = int(view.group_ids.max()) + 1
+    width = 0.8 / len(modes)
+    x = np.arange(num_groups)
+    out = {}
+    for k, mode in enumerate(modes):
+        out[mode] = ax.bar(x + k * width, view.group_share(mode), width, color=MODE_COLORS[mode], label=mode)
+    tokens = np.bincount(view.group_ids, weights=view.lengths).astype(int)
+    ax.set_xticks(x + width * (len(modes) - 1) / 2, [f"prompt {g}\n{t} tokens" for g, t in enumerate(tokens)])
+    ax.set_ylabel("share of the update")
+    ax.set_title("each prompt group's share", fontsize="medium")
+    ax.legend(fontsize="small")
+    return out
+
+
+def length_weights_view(fig: Figure, view: analysis.LengthWeights) -> dict:
+    """Notebook 04's first picture: weight per token and per response against length, per prompt."""
+    ax_token, ax_share, ax_groups = fig.subplots(1, 3)
+    lines = plot_length_weights(ax_token, ax_share, view)
+    groups = plot_group_shares(ax_groups, view)
+    fig.tight_layout()
+    return {"lines": lines, "groups": groups}
+
+
+def plot_correct_vs_wrong(ax_push: Axes, ax_share: Axes, view: analysis.CorrectVsWrong) -> dict[str, BarContainer]:
+    """Left: the push on one correct token (up) and one wrong token (down), in units of 1/N.
+    Right: how the update's total |push| splits between correct and wrong responses.
+
+    Returns {"correct": bars, "wrong": bars, "share_correct": bars, "share_wrong": bars}, one bar
+    per mode in ``view``'s order.
+    """
+    modes = list(view.push_per_token)
+    x = np.arange(len(modes))
+    colors = [MODE_COLORS[m] for m in modes]
+    correct = ax_push.bar(x, [view.push_per_token[m][0] for m in modes], 0.6, color=colors)
+    wrong = ax_push.bar(x, [view.push_per_token[m][1] for m in modes], 0.6, color=colors, alpha=0.45, hatch="//")
+    ax_push.axhline(0, color="black", lw=0.8)
+    ax_push.set_xticks(x, modes)
+    ax_push.set_ylabel("w x A x N")
+    ax_push.set_title(f"push on one token: correct ({view.correct_len} tok) up,\n"
+                      f"wrong ({view.wrong_len} tok) down", fontsize="medium")
+    share_c = ax_share.bar(x, [view.update_share[m][0] for m in modes], 0.6, color=colors, label="correct responses")
+    share_w = ax_share.bar(x, [view.update_share[m][1] for m in modes], 0.6, bottom=share_c.datavalues,
+                           color=colors, alpha=0.45, hatch="//", label="wrong responses")
+    ax_share.set_xticks(x, modes)
+    ax_share.set_ylim(0, 1)
+    ax_share.set_ylabel("share of sum |push|")
+    ax_share.set_title(f"{view.num_correct} correct / {view.group_size - view.num_correct} wrong: "
+                       "who gets the update", fontsize="medium")
+    ax_share.legend(fontsize="small", loc="lower right")
+    return {"correct": correct, "wrong": wrong, "share_correct": share_c, "share_wrong": share_w}
+
+
+def correct_vs_wrong_view(fig: Figure, view: analysis.CorrectVsWrong) -> dict:
+    """Notebook 04's explorer on ``fig``."""
+    ax_push, ax_share = fig.subplots(1, 2)
+    out = plot_correct_vs_wrong(ax_push, ax_share, view)
+    fig.tight_layout()
+    return out
+
+
+def plot_batch_dependence(ax: Axes, view: analysis.BatchDependence) -> dict[str, Line2D]:
+    """The per-token weight of one fixed response against the length of every other response."""
+    out = {}
+    for mode, w in view.token_weight.items():
+        out[mode] = ax.plot(view.other_length, w, color=MODE_COLORS[mode], marker="o", ms=3, label=mode_label(mode))[0]
+    ax.set_yscale("log")
+    ax.set_xlabel("length of every other response in the minibatch")
+    ax.set_ylabel("weight of one token of the fixed response")
+    ax.set_title(f"a response of {view.own_length} tokens: does its weight depend on the others?", fontsize="medium")
+    ax.legend(fontsize="small")
+    return out

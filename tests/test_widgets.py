@@ -1,0 +1,130 @@
+"""The notebooks' explorers, driven without a browser.
+
+Each test builds an explorer, moves a control the way a reader would (setting its ``value``), and
+checks that the drawn data (bar heights, line data) and the readout changed as the math says, by
+recomputing the expected numbers with ``gradnorm.analysis``. Pixels are never compared; the PNG
+only has to change.
+"""
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("matplotlib")
+
+from gradnorm import analysis, widgets  # noqa: E402
+from gradnorm.widgets import bar_heights  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # The gradients here are tiny; on a busy 2-core machine a second intra-op thread makes them
+    # an order of magnitude slower. Restored afterwards for the other test modules.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_token_imbalance_explorer_defaults():
+    explorer = widgets.token_imbalance_explorer()
+    assert explorer.values == {"world_size": 2, "accum_steps": 2, "imbalance": 4}
+    # 24-token responses, the short microbatch has 6-token ones: 12, 48 | 48, 48 tokens, N = 156
+    assert_allclose(bar_heights(explorer.artists["share_bars"]["local"]), [0.5, 0.5])
+    assert_allclose(bar_heights(explorer.artists["share_bars"]["tokens"]), [60 / 156, 96 / 156])
+    assert_allclose(bar_heights(explorer.artists["share_bars"]["token"]), [60 / 156, 96 / 156])
+    assert_allclose(bar_heights(explorer.artists["weights"]["local"]), [1 / 48] * 2 + [1 / 192] * 6)
+    assert_allclose(bar_heights(explorer.artists["weights"]["token"]), [1 / 156] * 8)
+    assert "rank 0: 50% of the update for 38% of the tokens" in explorer.readout.value
+    assert "4.0x" in explorer.readout.value
+    assert explorer.image.value[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "application/vnd.jupyter.widget-view+json" in explorer._repr_mimebundle_()
+
+
+def test_moving_the_imbalance_slider_to_one_balances_local():
+    explorer = widgets.token_imbalance_explorer()
+    before = (explorer.image.value, explorer.readout.value)
+    explorer.controls["imbalance"].value = 1  # what a reader's keyboard does
+    assert_allclose(bar_heights(explorer.artists["share_bars"]["tokens"]), [0.5, 0.5])
+    local = bar_heights(explorer.artists["weights"]["local"])
+    assert_allclose(local, bar_heights(explorer.artists["weights"]["token"]))  # balanced: local is right
+    assert_allclose(local, 1 / 192)
+    assert "50% of the update for 50% of the tokens" in explorer.readout.value
+    assert explorer.image.value != before[0] and explorer.readout.value != before[1]
+
+
+@pytest.mark.parametrize("world_size, accum_steps, imbalance", [(4, 1, 8), (3, 2, 12), (1, 1, 6)])
+def test_bar_heights_follow_the_sliders(world_size, accum_steps, imbalance):
+    explorer = widgets.token_imbalance_explorer()
+    artists = explorer.update(world_size=world_size, accum_steps=accum_steps, imbalance=imbalance)
+    batch = analysis.imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=widgets.FULL_LENGTH)
+    for mode in ("local", "token"):
+        shares = analysis.batch_rank_shares(batch, mode)
+        assert_allclose(bar_heights(artists["share_bars"][mode]), shares.update)
+        assert_allclose(bar_heights(artists["weights"][mode]), analysis.token_layout(batch, mode).weight)
+    assert len(artists["share_bars"]["local"]) == world_size
+    local = analysis.batch_rank_shares(batch, "local")
+    expected = f"rank 0: {local.update[0]:.0%} of the update for {local.tokens[0]:.0%} of the tokens"
+    assert expected in explorer.readout.value
+    if world_size * accum_steps > 1:  # the control: ragged microbatches must move local off the tokens
+        assert not np.allclose(local.update, local.tokens)
+    else:  # one microbatch: its local mean is the global mean
+        assert_allclose(local.update, local.tokens)
+
+
+IMBALANCES = [1, 4, 12]
+
+
+@pytest.fixture(scope="module")
+def gradient_explorer():
+    return widgets.gradient_explorer(IMBALANCES)
+
+
+def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
+    explorer = gradient_explorer
+    explorer.update(mode="local", shard="length", imbalance=12.0)
+    error_line, cosine_line = explorer.artists["lines"]["local"]
+    sweep = explorer.artists["sweep"]
+    assert_allclose(error_line.get_xdata(), IMBALANCES)
+    assert_allclose(error_line.get_ydata(), sweep.relative_error["local"])
+    assert_allclose(cosine_line.get_ydata(), sweep.cosine["local"])
+    assert error_line.get_ydata()[-1] > 0.3 and error_line.get_ydata()[0] < 1e-12
+    assert_allclose(bar_heights(explorer.artists["tokens"]), sweep.microbatch_tokens[-1].reshape(-1))
+    assert f"relative error {sweep.relative_error['local'][-1]:.3g}" in explorer.readout.value
+
+
+def test_gradient_explorer_mode_shard_and_imbalance(gradient_explorer):
+    explorer = gradient_explorer
+    explorer.update(mode="local", shard="length", imbalance=12.0)
+    length_tokens = bar_heights(explorer.artists["tokens"])
+    explorer.controls["mode"].value = "token"
+    error_line, cosine_line = explorer.artists["lines"]["token"]
+    assert np.all(error_line.get_ydata() < 1e-12) and np.allclose(cosine_line.get_ydata(), 1.0)
+    explorer.controls["shard"].value = "balanced"
+    balanced_tokens = bar_heights(explorer.artists["tokens"])
+    assert balanced_tokens.max() - balanced_tokens.min() < length_tokens.max() - length_tokens.min()
+    assert "balanced sharding" in explorer.readout.value
+    explorer.controls["imbalance"].value = 1.0
+    assert_allclose(bar_heights(explorer.artists["tokens"]), 8 * 12)  # every response has 12 tokens
+    assert explorer.artists["index"] == 0
+
+
+def test_length_bias_explorer():
+    explorer = widgets.length_bias_explorer()
+    view = explorer.artists["view"]
+    modes = list(view.push_per_token)
+    assert_allclose(bar_heights(explorer.artists["correct"]), [view.push_per_token[m][0] for m in modes])
+    assert_allclose(bar_heights(explorer.artists["wrong"]), [view.push_per_token[m][1] for m in modes])
+    up, down = view.push_per_token["sequence"]
+    assert abs(down) / up == pytest.approx(10 / 40)
+    assert "<b>0.25x</b>" in explorer.readout.value
+    explorer.controls["wrong_len"].value = 10  # equal lengths: no length bias left
+    view = explorer.artists["view"]
+    up, down = view.push_per_token["sequence"]
+    assert abs(down) / up == pytest.approx(1.0)
+    assert_allclose(bar_heights(explorer.artists["share_correct"]), 0.5)
+    assert "<b>1.00x</b>" in explorer.readout.value
+    explorer.controls["scale_by_std"].value = False
+    assert explorer.artists["view"].advantage_correct == pytest.approx(0.5)  # 1 - mean reward 0.5
