@@ -1,0 +1,113 @@
+"""The notebooks are committed clean and follow the house rules; nbmake runs them separately.
+
+- no outputs, execution counts or saved widget state (a reader's first run starts from nothing,
+  and diffs stay readable);
+- each opens with what the reader will learn and closes with a summary;
+- the first code cell is tagged ``parameters`` and reads ``CI`` to shrink the work in CI;
+- every code cell follows narrative markdown, and defines no function or class: the library
+  computes, the notebook tells;
+- a notebook that uses torch limits it to one thread; every figure it embeds exists.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+IDS = [p.name for p in NOTEBOOKS]
+
+
+def load(path):
+    return nbformat.read(path, as_version=4)
+
+
+def python_source(cell):
+    """A code cell's source with IPython magics and shell escapes blanked, parseable by ast."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
+
+
+def test_the_notebooks_are_numbered_in_reading_order():
+    names = [p.stem for p in NOTEBOOKS]
+    assert all(re.fullmatch(r"\d\d_[a-z0-9_]+", n) for n in names), names
+    numbers = [int(n[:2]) for n in names]
+    assert numbers == sorted(set(numbers))
+    assert {"01_token_imbalance", "02_real_gradients", "04_denominators_and_length_bias"} <= set(names)
+
+
+def saved_state(nb) -> list[str]:
+    """What a run left in the notebook: outputs, execution counts, widget state, timings."""
+    problems = ["saved widget state (metadata.widgets)"] if "widgets" in nb.metadata else []
+    for k, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and cell.outputs:
+            problems.append(f"cell {k} has outputs")
+        if cell.cell_type == "code" and cell.execution_count is not None:
+            problems.append(f"cell {k} has an execution count")
+        if "execution" in cell.metadata:
+            problems.append(f"cell {k} has execution timing metadata")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_committed_without_outputs_or_widget_state(path):
+    nb = load(path)
+    nbformat.validate(nb)
+    assert saved_state(nb) == [], "clear it: jupyter nbconvert --clear-output --inplace, and drop metadata.widgets"
+
+
+def test_the_check_catches_a_notebook_that_was_run():
+    # The control: the same notebook as a run leaves it must fail the check above.
+    nb = load(NOTEBOOKS[0])
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    code.execution_count = 1
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hello\n")]
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    assert len(saved_state(nb)) == 3
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_opens_with_what_you_will_learn_and_closes_with_a_summary(path):
+    cells = load(path).cells
+    assert cells[0].cell_type == "markdown" and cells[0].source.startswith("# ")
+    assert "what you will learn" in cells[0].source.lower()
+    assert cells[-1].cell_type == "markdown" and cells[-1].source.startswith("## Summary")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_first_code_cell_is_a_parameters_cell_that_reads_ci(path):
+    code = [c for c in load(path).cells if c.cell_type == "code"]
+    first = code[0]
+    assert "parameters" in first.metadata.get("tags", [])
+    assert 'os.environ.get("CI")' in first.source
+    assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_narrative_before_every_code_cell_and_no_math_defined_here(path):
+    cells = load(path).cells
+    for k, cell in enumerate(cells):
+        if cell.cell_type != "code":
+            continue
+        assert k > 0 and cells[k - 1].cell_type == "markdown", f"cell {k}: code without narrative before it"
+        tree = ast.parse(python_source(cell))
+        defined = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                                                ast.Lambda))]
+        assert not defined, f"cell {k} defines code; put it in gradnorm and import it"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_torch_runs_on_one_thread_and_imports_come_from_gradnorm(path):
+    source = "\n".join(python_source(c) for c in load(path).cells if c.cell_type == "code")
+    if re.search(r"^\s*import torch\b", source, re.M):
+        assert "torch.set_num_threads(1)" in source
+    assert re.search(r"^from gradnorm\b", source, re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_embedded_figures_exist(path):
+    text = "\n".join(c.source for c in load(path).cells if c.cell_type == "markdown")
+    for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert (path.parent / target).resolve().is_file(), f"{target} is missing: run python figures/make_figures.py"
