@@ -5,6 +5,8 @@ same small policy and the same ragged GRPO minibatch (``make_problem``), wraps t
 and runs ``gradnorm.update.accumulate_gradients`` for every case (denominator, A, sharding),
 counting the collectives it issues. The reduced gradient of every case comes back to the caller,
 to be compared with a single-process full-batch oracle (tests, notebook 02).
+``run_ddp(..., parallel="fsdp")`` wraps the policy in FSDP2 (``fully_shard``) instead; each rank
+then holds a shard of the gradient, and the full one is gathered before it is returned.
 
 The worker lives here, importable, because spawned processes must import it by name.
 """
@@ -24,6 +26,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from gradnorm import parallel
+from gradnorm.dataparallel import flat_grad, wrap_fsdp
 from gradnorm.denominators import Denominator
 from gradnorm.grpo import TokenLosses, group_advantages, grpo_token_losses
 from gradnorm.sharding import make_plan
@@ -160,24 +163,33 @@ def count_collectives():
             setattr(dist, name, fn)
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[Case], dtype: torch.dtype, out_dir: str) -> None:
+def _wrap(policy: TinyPolicy, parallel_kind: str) -> nn.Module:
+    if parallel_kind == "fsdp":
+        # Shard the embedding and the hidden layer as their own units, then the root (the head),
+        # so the check covers nested FSDP2 units as a transformer's blocks would have.
+        return wrap_fsdp(policy, blocks=[policy.embed, policy.mlp])
+    return nn.parallel.DistributedDataParallel(policy)
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[Case], dtype: torch.dtype, out_dir: str,
+            parallel_kind: str = "ddp") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # W processes share few cores
     ctx = parallel.setup(backend="gloo", device="cpu", timeout_s=120)
     try:
-        ddp = nn.parallel.DistributedDataParallel(make_policy(0, dtype))
+        wrapped = _wrap(make_policy(0, dtype), parallel_kind)
         grads, collectives = [], []
         for case in cases:
             problem = make_problem(lengths=case.lengths, dtype=dtype)
             plan = make_plan(case.shard, problem.lengths, world_size, case.accum_steps)
-            ddp.zero_grad(set_to_none=True)
+            wrapped.zero_grad(set_to_none=True)
             with count_collectives() as calls:
                 accumulate_gradients(
-                    ddp, plan[ctx.rank], problem.mask, problem.group_ids, problem.num_groups,
-                    case.denominator, lambda idx: token_losses(ddp, problem, idx), world_size,
+                    wrapped, plan[ctx.rank], problem.mask, problem.group_ids, problem.num_groups,
+                    case.denominator, lambda idx: token_losses(wrapped, problem, idx), world_size,
                 )
-            grads.append(torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]))
+            grads.append(flat_grad(wrapped))  # FSDP2: gathers every rank's shard (a collective)
             collectives.append(calls["n"])
         torch.save({"grads": torch.stack(grads), "collectives": torch.tensor(collectives)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
@@ -192,14 +204,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ddp(world_size: int, cases: list[Case], dtype: torch.dtype = torch.float64) -> list[dict[str, Tensor]]:
+def run_ddp(world_size: int, cases: list[Case], dtype: torch.dtype = torch.float64,
+            parallel: str = "ddp") -> list[dict[str, Tensor]]:
     """Run ``cases`` on ``world_size`` real gloo processes; return each rank's results.
 
     ``results[r]["grads"][k]`` is the flat reduced gradient of ``cases[k]`` on rank r, and
     ``results[r]["collectives"][k]`` the number of collectives gradnorm issued for it. After
     DDP's all-reduce every rank holds the same gradient; the caller can check that too.
+    ``parallel="fsdp"`` uses FSDP2 instead of DDP. Its own all-gathers and reduce-scatters run
+    inside torch, not through the ``torch.distributed`` names patched here (as DDP's all-reduce
+    runs in C++), so the count stays what gradnorm adds (tests/test_fsdp.py checks it).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), cases, dtype, out_dir),
+        mp.spawn(_worker, args=(world_size, free_port(), cases, dtype, out_dir, parallel),
                  nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]

@@ -5,8 +5,9 @@ This is the loop every data-parallel GRPO trainer runs, with the normalization m
     1. count the rank's response tokens (all its microbatches) into a small int64 vector;
     2. ONE all-reduce of that vector gives the global counts (skipped by ``local``, which needs none);
     3. for each microbatch: per-token weights w from the global counts, scale by W to undo DDP's
-       mean, backpropagate sum(W * w * l); DDP's ``no_sync`` keeps all but the last microbatch
-       from communicating, so gradients really add up over accumulation steps.
+       mean, backpropagate sum(W * w * l); DDP's ``no_sync`` (FSDP2's
+       ``set_requires_gradient_sync(False)``) keeps all but the last microbatch from
+       communicating, so gradients really add up over accumulation steps.
 
 The caller then clips and steps the optimizer. The real trainer and the multi-process tests both
 call ``accumulate_gradients``, so what the tests prove is what the trainer runs.
@@ -26,8 +27,12 @@ from gradnorm.parallel import global_counts
 
 
 def _no_sync(model: nn.Module, last: bool):
-    # Only the last microbatch's backward may trigger DDP's gradient all-reduce; the others just
-    # add into .grad. FSDP and plain modules without no_sync accumulate the same way.
+    # Only the last microbatch's backward may trigger the gradient reduction; the others just add
+    # into .grad. DDP (and FSDP1) have a no_sync() context; FSDP2 has a switch instead, set for
+    # every microbatch so that it is left on after the last. Plain modules accumulate as they are.
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
     if last or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()

@@ -1,0 +1,166 @@
+"""Wrap a policy for data parallelism: DDP, or FSDP2 (``fully_shard``) when it outgrows one GPU.
+
+Part of the thin distributed shell, next to ``gradnorm.parallel``: nothing here issues a
+collective of its own; the wrappers do (DDP's all-reduce, FSDP's all-gather and reduce-scatter).
+
+Why the normalization needs nothing new under FSDP. Both wrappers reduce gradients by a MEAN over
+the W ranks: DDP all-reduces and divides by W; FSDP2 reduce-scatters with a divide factor of W
+(pinned here with ``set_gradient_divide_factor`` where torch has it, so a change of default
+cannot silently turn the mean into a sum). Each rank therefore scales its token weights by W
+(``denominators.rank_weights(w, W, "mean")``) under either wrapper, and after the reduction the
+shard of the gradient on rank r is exactly rank r's slice of dJ/dtheta:
+
+    DDP:   grad         = (1/W) sum_r dL_r/dtheta            (every rank holds all of it)
+    FSDP2: grad[shard r] = ((1/W) sum_r dL_r/dtheta)[shard r] (every rank holds its shard)
+
+Accumulation: DDP skips communication inside ``no_sync()``; FSDP2 has a switch,
+``set_requires_gradient_sync(False)``, instead of a context. ``update._no_sync`` handles both, so
+A microbatches really add up before the one reduction of the last backward.
+
+Parameters and gradients of an FSDP2 module are DTensors (sharded over dim 0):
+``full_tensor`` gathers one (a collective: every rank must call it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradnorm.parallel import DistContext
+
+ParallelKind = Literal["ddp", "fsdp"]
+PARALLEL_KINDS: tuple[str, ...] = ("ddp", "fsdp")
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard  # public since torch 2.6
+    except ImportError:
+        raise ImportError(f"--parallel fsdp needs torch >= 2.6 (FSDP2's fully_shard); this is torch {torch.__version__}") from None
+    return fully_shard
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP shards one by one (each is all-gathered just before its forward).
+
+    Hugging Face models name their block classes in ``_no_split_modules``; TinyGPT keeps its
+    blocks in ``model.blocks``. A model with neither is sharded as one unit.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        return [m for m in model.modules() if type(m).__name__ in names]
+    blocks = getattr(model, "blocks", None)
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
+def wrap_fsdp(model: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Module:
+    """Apply FSDP2 to each block, then to the root (embeddings, final norm, head); in place.
+
+    Sharding block by block means only one block's full parameters exist at a time in the
+    forward and backward. Parameters stay in their dtype (fp32 master weights: gradients are
+    reduced in fp32; bf16 compute comes from autocast). Returns ``model``, now an FSDPModule.
+    """
+    fully_shard = _fully_shard()
+    world_size = torch.distributed.get_world_size()
+    for block in transformer_blocks(model) if blocks is None else blocks:
+        fully_shard(block)
+    fully_shard(model)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            # ALGO LOGIC: pin the reduction to a mean over W, which rank_weights(..., "mean") undoes.
+            module.set_gradient_divide_factor(float(world_size))
+    return model
+
+
+def wrap_policy(model: nn.Module, parallel: ParallelKind, ctx: DistContext) -> nn.Module:
+    """The module the training forward goes through: DDP, FSDP2, or the model itself alone.
+
+    Without a process group (plain ``python``) there is nothing to reduce, and the model is used
+    as is. Under DDP, ``unwrap`` returns the inner module for sampling and checkpoints; FSDP2
+    changes the model in place, so generation must go through the sharded module itself.
+    """
+    if parallel not in PARALLEL_KINDS:
+        raise ValueError(f"--parallel {parallel!r}: expected one of {', '.join(PARALLEL_KINDS)}")
+    if ctx.backend is None:
+        return model
+    if parallel == "fsdp":
+        return wrap_fsdp(model)
+    return DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The policy itself: DDP's inner module; an FSDP2 or plain module as is."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return hasattr(model, "set_requires_gradient_sync") and hasattr(model, "reshard")
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """A DTensor gathered into a plain tensor (a collective); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def flat_grad(model: nn.Module) -> Tensor:
+    """Every parameter's full gradient, flattened and concatenated (collective under FSDP)."""
+    return torch.cat([full_tensor(p.grad).reshape(-1) for p in model.parameters()])
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm in place; return the norm before clipping, as a float.
+
+    Under FSDP2 the gradients are shards and ``clip_grad_norm_`` returns a DTensor norm that
+    already covers all shards; ``full_tensor`` makes it a number every rank agrees on.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(full_tensor(norm))
+
+
+@contextmanager
+def gathered_for_sampling(model: nn.Module) -> Iterator[nn.Module]:
+    """Keep an FSDP2 model's parameters gathered across a whole generation, then reshard.
+
+    Without this, every decoding step would all-gather every block again (one forward per token).
+    Sampling needs the full parameters anyway; the memory is one full copy of the weights, which
+    generation needs at its peak in any case. DDP and plain modules pass through unchanged.
+    """
+    if not is_fsdp(model):
+        yield unwrap(model)
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        yield model
+    finally:
+        model.set_reshard_after_forward(True)
+        for module in model.modules():
+            if is_fsdp(module):
+                module.reshard()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """A full, unsharded CPU state dict on every rank (a collective under FSDP2), for checkpoints.
+
+    Plain and DDP models return their ordinary state dict (the inner module's keys).
+    """
+    inner = unwrap(model)
+    if not is_fsdp(inner):
+        return inner.state_dict()
+    return {k: full_tensor(v).detach().cpu() for k, v in inner.state_dict().items()}
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Load a full state dict (from ``full_state_dict``) into a plain, DDP or FSDP2 model."""
+    inner = unwrap(model)
+    if not is_fsdp(inner):
+        inner.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # A copy: set_model_state_dict replaces the dict's values with sharded DTensors in place.
+    set_model_state_dict(inner, dict(state), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
