@@ -19,7 +19,7 @@ from matplotlib.lines import Line2D
 from gradnorm import analysis
 
 MODE_COLORS = {"local": "#d62728", "token": "#1f77b4", "sequence": "#ff7f0e", "group": "#2ca02c",
-               "constant": "#9467bd"}
+               "constant": "#9467bd", "global": "#1f77b4"}  # global: DPO's mean over all pairs
 TOKENS_COLOR = "#9a9a9a"
 RANK_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
 
@@ -127,16 +127,20 @@ def plot_share_sweep(ax: Axes, sweep: analysis.ShareSweep) -> dict[str, Line2D]:
 # ---------------------------------------------------------------------------------------------
 
 
-def plot_microbatch_tokens(ax: Axes, tokens: np.ndarray, title: str | None = None) -> BarContainer:
-    """N[r, m] (W, A) as bars, one per microbatch, coloured by rank."""
+def plot_microbatch_tokens(ax: Axes, tokens: np.ndarray, title: str | None = None, unit: str = "tokens") -> BarContainer:
+    """N[r, m] (W, A) as bars, one per microbatch, coloured by rank (``unit``: what is counted)."""
     world_size, accum_steps = tokens.shape
     labels = [f"r{r}/m{m}" for r in range(world_size) for m in range(accum_steps)]
     bars = ax.bar(labels, tokens.reshape(-1), color=[rank_color(r) for r in range(world_size) for _ in range(accum_steps)])
-    ax.set_ylabel("response tokens")
+    ax.set_ylabel("response tokens" if unit == "tokens" else unit)
     ax.set_xlabel("rank / microbatch")
     if title:
         ax.set_title(title)
     return bars
+
+
+IMBALANCE_LABEL = {"tokens": "imbalance: longest / shortest response",
+                   "pairs": "imbalance: pairs in a full microbatch / in the long-pair one"}
 
 
 def plot_gradient_sweep(
@@ -165,7 +169,7 @@ def plot_gradient_sweep(
     ax_cosine.set_title(f"cosine similarity with the full batch\n({where})", fontsize="medium")
     ax_cosine.set_ylabel("cos(g, g_full)")
     for ax in (ax_error, ax_cosine):
-        ax.set_xlabel("imbalance: longest / shortest response")
+        ax.set_xlabel(IMBALANCE_LABEL[sweep.unit])
     ax_error.set_ylim(bottom=0)
     ax_cosine.set_ylim(min(0.8, float(min(sweep.cosine[m].min() for m in modes)) - 0.02), 1.01)
     ax_error.legend(fontsize="small")
@@ -190,8 +194,8 @@ def gradient_view(fig: Figure, sweep: analysis.GradientSweep, mode: str, imbalan
     """Notebook 02's explorer: microbatch tokens at one imbalance, one mode's error and cosine."""
     ax_tokens, ax_error, ax_cosine = fig.subplots(1, 3)
     k = int(np.argmin(np.abs(sweep.imbalance - imbalance)))
-    bars = plot_microbatch_tokens(ax_tokens, sweep.microbatch_tokens[k],
-                                  title=f"tokens per microbatch at imbalance {sweep.imbalance[k]:g}")
+    bars = plot_microbatch_tokens(ax_tokens, sweep.microbatch_tokens[k], unit=sweep.unit,
+                                  title=f"{sweep.unit} per microbatch at imbalance {sweep.imbalance[k]:g}")
     lines = plot_gradient_sweep(ax_error, ax_cosine, sweep, [mode], marker_at=sweep.imbalance[k])
     fig.tight_layout()
     return {"tokens": bars, "lines": lines, "index": k}

@@ -217,3 +217,47 @@ def test_batch_dependence():
     assert_allclose(view.token_weight["sequence"], 1 / (16 * 16))
     assert_allclose(view.token_weight["constant"], 1 / (16 * 64))
     assert_allclose(view.token_weight["group"], [1 / (4 * (16 + 3 * 4)), 1 / (4 * 64), 1 / (4 * (16 + 3 * 64))])
+
+
+# ------------------------------------------------------------------ 4. SFT and DPO
+
+
+def test_sft_has_the_same_bug_and_the_same_fix():
+    sweep = analysis.gradient_sweep([1, 4], modes=("local", "token"), shard="length", loss="sft")
+    assert sweep.relative_error["token"].max() < 1e-12
+    assert sweep.relative_error["local"][0] < 1e-12 and sweep.relative_error["local"][1] > 0.1
+
+
+def test_packed_pairs_by_hand():
+    lengths, plan = analysis.packed_pairs(4, world_size=2, accum_steps=2, pairs_per_microbatch=8, short_length=6)
+    pairs = analysis.pairs_as_minibatch(plan)
+    assert pairs.microbatch_tokens().tolist() == [[2, 8], [8, 8]]
+    assert lengths[:4] == (24, 24, 24, 24) and set(lengths[4:]) == {6} and len(lengths) == 2 * 26
+    tokens = [[sum(lengths[2 * p] + lengths[2 * p + 1] for p in mb.tolist()) for mb in rank] for rank in plan]
+    assert tokens == [[96, 96], [96, 96]]  # one token budget for every microbatch
+    assert fractions(analysis.token_layout(pairs, "local").weight[[0, -1]]) == [Fraction(1, 8), Fraction(1, 32)]
+    assert fractions(analysis.token_layout(pairs, "token").weight[[0, -1]]) == [Fraction(1, 26)] * 2
+
+
+def test_dpo_pair_losses_longhand():
+    from gradnorm.equivalence import make_policy, make_problem
+    from torch.nn.functional import logsigmoid
+
+    problem = make_problem(lengths=[3, 5, 2, 4], group_size=2, max_len=6)
+    policy = make_policy(0)
+    with torch.no_grad():
+        logp = torch.log_softmax(policy(problem.inputs), -1).gather(-1, problem.targets.unsqueeze(-1)).squeeze(-1)
+    margin = [float(((logp[i] - problem.ref_logp[i]) * problem.mask[i]).sum()) for i in range(4)]
+    expected = [-float(logsigmoid(torch.tensor(0.1 * (margin[2 * p] - margin[2 * p + 1]), dtype=torch.float64)))
+                for p in range(2)]
+    got = analysis.dpo_pair_losses(policy, problem, torch.arange(2), beta=0.1)
+    assert got.shape == (2, 1)
+    assert_allclose(got.squeeze(-1).detach().numpy(), expected, rtol=1e-12)
+
+
+def test_dpo_sweep_exact_with_equal_pair_counts_and_not_otherwise():
+    sweep = analysis.dpo_sweep([1, 4])
+    assert sweep.unit == "pairs" and sweep.microbatch_tokens[1].tolist() == [[2, 8], [8, 8]]
+    assert sweep.relative_error["global"].max() < 1e-12
+    assert sweep.relative_error["local"][0] < 1e-12  # the same number of pairs everywhere: exact
+    assert sweep.relative_error["local"][1] > 0.1 and sweep.cosine["local"][1] < 0.95
