@@ -1,0 +1,45 @@
+"""Shared test plumbing: the browser tests need Chromium and Playwright, and CI must have both.
+
+Locally, tests marked `browser` skip with the reason when either is missing (or deselect them
+with `pytest -m "not browser"`). With CI=true (or 1) a missing browser fails them instead: a
+green CI run must have driven a real browser.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; Playwright's own download cannot work here
+
+
+def _in_ci():
+    return os.environ.get("CI", "").strip().lower() in {"true", "1"}
+
+
+def _browser_missing():
+    missing = []
+    if not os.access(CHROMIUM, os.X_OK):
+        missing.append(f"{CHROMIUM} (apt-get install chromium)")
+    if importlib.util.find_spec("playwright") is None:
+        missing.append("the playwright package (pip install -e '.[test]')")
+    return missing
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture starts JupyterLab
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("browser") is None:
+        return
+    missing = _browser_missing()
+    if not missing:
+        return
+    reason = "browser test needs " + " and ".join(missing)
+    if _in_ci():
+        pytest.fail(f"{reason}; CI is set, so a missing browser is a failure, not a skip", pytrace=False)
+    pytest.skip(f"{reason}; deselect browser tests with -m 'not browser'")
+
+
+@pytest.fixture(scope="session")
+def chromium_executable():
+    return str(CHROMIUM)
