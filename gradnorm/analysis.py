@@ -20,12 +20,20 @@ Three families of views:
    show how each denominator weighs long against short and correct against wrong responses.
 4. The same mistake elsewhere (notebook 05): ``gradient_sweep(..., loss="sft")`` for SFT
    cross-entropy, ``dpo_sweep`` for DPO's mean over preference pairs.
+5. Training under imbalance (notebook 03): ``train_run`` launches the real trainer
+   (``torchrun gradnorm/train.py``) and reads its ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -617,3 +625,100 @@ def dpo_sweep(
         relative_error={m: np.array(v) for m, v in rel.items()}, cosine={m: np.array(v) for m, v in cos.items()},
         unit="pairs",
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Training under imbalance: short runs of the real trainer
+# ---------------------------------------------------------------------------------------------
+
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One run of ``gradnorm/train.py``: its settings and the rows of its metrics.jsonl."""
+
+    label: str
+    loss_denominator: str
+    shard: str
+    output_dir: Path
+    metrics: list[dict]  # one dict per optimizer step
+    wall_s: float  # the whole run, warm-up and process start included
+
+    def series(self, key: str) -> np.ndarray:
+        """(steps,) one logged value per optimizer step."""
+        return np.array([row[key] for row in self.metrics], dtype=float)
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self.series("step")
+
+    def rank_token_share(self, rank: int = 0) -> np.ndarray:
+        """(steps,) the share of each step's response tokens that ``rank`` held."""
+        return np.array([row["tokens_per_rank"][rank] / max(row["tokens"], 1) for row in self.metrics])
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_run(
+    output_dir: str | Path,
+    loss_denominator: str = "token",
+    shard: str = "length",
+    grad_accum_steps: int = 2,
+    nproc_per_node: int = 2,
+    steps: int = 30,
+    seed: int = 0,
+    extra_args: Sequence[str] = ("--no-plot", "--save-every", "0"),
+    label: str | None = None,
+    timeout_s: float = 1800,
+) -> TrainingRun:
+    """Run ``torchrun --standalone --nproc_per_node=W gradnorm/train.py`` with these flags and read its metrics.
+
+    Each process runs with OMP_NUM_THREADS=1 (the trainer's processes share the cores). The run
+    writes into ``output_dir``; a failure raises with the tail of the trainer's output.
+    """
+    output_dir = Path(output_dir)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}",
+        str(TRAIN_SCRIPT), "--loss-denominator", str(loss_denominator), "--shard", shard,
+        "--grad-accum-steps", str(grad_accum_steps), "--steps", str(steps), "--seed", str(seed),
+        "--output-dir", str(output_dir), *extra_args,
+    ]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"the trainer failed (exit {done.returncode}): {' '.join(cmd)}\n{tail}")
+    return load_run(output_dir, label, wall_s=time.perf_counter() - start)
+
+
+def load_run(output_dir: str | Path, label: str | None = None, wall_s: float = float("nan")) -> TrainingRun:
+    """A finished run from its output directory (config.json and metrics.jsonl)."""
+    output_dir = Path(output_dir)
+    config = json.loads((output_dir / "config.json").read_text())
+    denominator, shard = str(config["loss_denominator"]), str(config["shard"])
+    return TrainingRun(label=label or f"{denominator}, {shard}", loss_denominator=denominator, shard=shard,
+                       output_dir=output_dir, metrics=read_jsonl(output_dir / "metrics.jsonl"), wall_s=wall_s)
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the last ``window`` values at each step (fewer at the start): a trailing average."""
+    values = np.asarray(values, dtype=float)
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    k = np.arange(1, len(values) + 1)
+    lo = np.maximum(k - window, 0)
+    return (sums[k] - sums[lo]) / (k - lo)
+
+
+def shared_rollout_steps(a: TrainingRun, b: TrainingRun) -> int:
+    """How many leading steps two runs sampled bit-identical rollouts (the trainer logs a digest)."""
+    n = 0
+    for row_a, row_b in zip(a.metrics, b.metrics):
+        if row_a.get("rollout_digest") is None or row_a.get("rollout_digest") != row_b.get("rollout_digest"):
+            break
+        n += 1
+    return n

@@ -303,3 +303,52 @@ def plot_batch_dependence(ax: Axes, view: analysis.BatchDependence) -> dict[str,
     ax.set_title(f"a response of {view.own_length} tokens: does its weight depend on the others?", fontsize="medium")
     ax.legend(fontsize="small")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Training runs
+# ---------------------------------------------------------------------------------------------
+
+TRAINING_PANELS = {"reward_mean": "mean reward", "response_len_mean": "mean response length (tokens)",
+                   "grad_norm": "gradient norm (before clipping)"}
+SHARD_STYLES = {"length": "-", "balanced": "--", "interleave": ":", "contiguous": "-."}
+
+
+def plot_training_runs(
+    axes: Sequence[Axes], runs: Sequence[analysis.TrainingRun], keys: Sequence[str] = tuple(TRAINING_PANELS),
+    window: int = 10,
+) -> dict[str, list[Line2D]]:
+    """One panel per logged metric: each run's raw values (thin) and trailing average (thick).
+
+    Colour is the denominator, line style the sharding. Returns {run label: [average line per panel]}.
+    """
+    out = {}
+    for run in runs:
+        color = MODE_COLORS.get(run.loss_denominator, "C7")
+        style = SHARD_STYLES.get(run.shard, "-")
+        out[run.label] = []
+        for ax, key in zip(axes, keys):
+            ax.plot(run.steps, run.series(key), color=color, ls=style, lw=0.7, alpha=0.3)
+            out[run.label].append(ax.plot(run.steps, analysis.moving_average(run.series(key), window), color=color,
+                                          ls=style, lw=2, label=run.label)[0])
+    for ax, key in zip(axes, keys):
+        ax.set_title(TRAINING_PANELS.get(key, key), fontsize="medium")
+        ax.set_xlabel("optimizer step")
+    axes[0].legend(fontsize="small")
+    return out
+
+
+def plot_rank_token_share(ax: Axes, runs: Sequence[analysis.TrainingRun], world_size: int, window: int = 10) -> dict:
+    """Rank 0's share of each step's tokens, next to the 1/W share of the update ``local`` gives it."""
+    out = {}
+    for run in runs:
+        share = run.rank_token_share(0)
+        out[run.label] = ax.plot(run.steps, analysis.moving_average(share, window), ls=SHARD_STYLES.get(run.shard, "-"),
+                                 color=TOKENS_COLOR, lw=2, label=f"rank 0's share of the tokens ({run.shard})")[0]
+    out["local"] = ax.axhline(1 / world_size, color=MODE_COLORS["local"], lw=2,
+                              label="rank 0's share of the update under local")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("optimizer step")
+    ax.set_title("rank 0: tokens held vs update received", fontsize="medium")
+    ax.legend(fontsize="small")
+    return out

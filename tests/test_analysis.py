@@ -5,6 +5,7 @@ comes with a control that must fail: ``local`` must differ from ``token`` when m
 counts are ragged and agree with it when they are balanced, so a test that cannot fail would show.
 """
 
+import json
 from fractions import Fraction
 
 import numpy as np
@@ -261,3 +262,36 @@ def test_dpo_sweep_exact_with_equal_pair_counts_and_not_otherwise():
     assert sweep.relative_error["global"].max() < 1e-12
     assert sweep.relative_error["local"][0] < 1e-12  # the same number of pairs everywhere: exact
     assert sweep.relative_error["local"][1] > 0.1 and sweep.cosine["local"][1] < 0.95
+
+
+# ------------------------------------------------------------------ 5. training runs (read back, no trainer launch)
+
+
+def fake_run(tmp_path, name, denominator, shard, digests, grad_norms, tokens_per_rank):
+    out = tmp_path / name
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"loss_denominator": denominator, "shard": shard}))
+    rows = [{"step": k + 1, "grad_norm": g, "reward_mean": 0.5, "response_len_mean": 9.0, "rollout_digest": d,
+             "tokens": sum(t), "tokens_per_rank": t} for k, (d, g, t) in enumerate(zip(digests, grad_norms, tokens_per_rank))]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return analysis.load_run(out)
+
+
+def test_load_run_series_and_shared_rollouts(tmp_path):
+    a = fake_run(tmp_path, "a", "local", "length", ["x", "y", "z"], [1.0, 2.0, 3.0], [[1, 3], [2, 2], [0, 4]])
+    b = fake_run(tmp_path, "b", "token", "balanced", ["x", "y", "w"], [1.0, 1.0, 1.0], [[2, 2]] * 3)
+    assert a.label == "local, length" and b.loss_denominator == "token" and b.shard == "balanced"
+    assert_allclose(a.steps, [1, 2, 3])
+    assert_allclose(a.series("grad_norm"), [1.0, 2.0, 3.0])
+    assert_allclose(a.rank_token_share(0), [0.25, 0.5, 0.0])
+    assert analysis.shared_rollout_steps(a, b) == 2
+    assert analysis.shared_rollout_steps(a, a) == 3
+
+
+def test_moving_average_is_trailing():
+    assert_allclose(analysis.moving_average(np.array([1.0, 2.0, 3.0, 4.0, 5.0]), 2), [1.0, 1.5, 2.5, 3.5, 4.5])
+    assert_allclose(analysis.moving_average(np.array([2.0, 4.0]), 10), [2.0, 3.0])
+
+
+def test_train_run_points_at_the_trainer():
+    assert analysis.TRAIN_SCRIPT.name == "train.py" and analysis.TRAIN_SCRIPT.parent.name == "gradnorm"
