@@ -37,11 +37,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gradnorm.denominators import Denominator
-import torch.nn.functional as F
-
 from gradnorm.equivalence import Case, Problem, _token_logp, make_policy, make_problem, run_ddp, token_losses
 from gradnorm.grpo import group_advantages
 from gradnorm.sharding import Plan, contiguous, make_plan

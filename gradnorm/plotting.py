@@ -38,7 +38,9 @@ def rank_color(rank: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def plot_token_weights(ax: Axes, layout: analysis.Layout, title: str | None = None, ymax: float | None = None) -> BarContainer:
+def plot_token_weights(
+    ax: Axes, layout: analysis.Layout, title: str | None = None, ymax: float | None = None
+) -> BarContainer:
     """One bar per sequence: width |o_i| tokens, height the weight w of each of its tokens.
 
     The bar's area is the sequence's weight in J; colours are ranks; dotted lines separate
@@ -127,11 +129,14 @@ def plot_share_sweep(ax: Axes, sweep: analysis.ShareSweep) -> dict[str, Line2D]:
 # ---------------------------------------------------------------------------------------------
 
 
-def plot_microbatch_tokens(ax: Axes, tokens: np.ndarray, title: str | None = None, unit: str = "tokens") -> BarContainer:
+def plot_microbatch_tokens(
+    ax: Axes, tokens: np.ndarray, title: str | None = None, unit: str = "tokens"
+) -> BarContainer:
     """N[r, m] (W, A) as bars, one per microbatch, coloured by rank (``unit``: what is counted)."""
     world_size, accum_steps = tokens.shape
     labels = [f"r{r}/m{m}" for r in range(world_size) for m in range(accum_steps)]
-    bars = ax.bar(labels, tokens.reshape(-1), color=[rank_color(r) for r in range(world_size) for _ in range(accum_steps)])
+    colors = [rank_color(r) for r in range(world_size) for _ in range(accum_steps)]
+    bars = ax.bar(labels, tokens.reshape(-1), color=colors)
     ax.set_ylabel("response tokens" if unit == "tokens" else unit)
     ax.set_xlabel("rank / microbatch")
     if title:
@@ -176,7 +181,9 @@ def plot_gradient_sweep(
     return out
 
 
-def plot_sharding_comparison(ax: Axes, sweeps: dict[str, analysis.GradientSweep], mode: str = "local") -> dict[str, Line2D]:
+def plot_sharding_comparison(
+    ax: Axes, sweeps: dict[str, analysis.GradientSweep], mode: str = "local"
+) -> dict[str, Line2D]:
     """One mode's relative error against the imbalance, one line per sharding."""
     out = {}
     for k, (shard, sweep) in enumerate(sweeps.items()):
@@ -206,7 +213,9 @@ def gradient_view(fig: Figure, sweep: analysis.GradientSweep, mode: str, imbalan
 # ---------------------------------------------------------------------------------------------
 
 
-def plot_length_weights(ax_token: Axes, ax_share: Axes, view: analysis.LengthWeights) -> dict[str, tuple[Line2D, Line2D]]:
+def plot_length_weights(
+    ax_token: Axes, ax_share: Axes, view: analysis.LengthWeights
+) -> dict[str, tuple[Line2D, Line2D]]:
     """Per-token weight (times N, so ``token`` reads 1) and share of the update against length."""
     order = np.argsort(view.lengths, kind="stable")
     n_tokens = view.lengths.sum()

@@ -27,7 +27,9 @@ Draw = Callable[..., tuple[dict, str]]  # draw(fig, **values) -> (artists, reado
 class Explorer:
     """Controls, a readout and a figure that is redrawn from scratch whenever a control changes."""
 
-    def __init__(self, controls: dict[str, widgets.ValueWidget], draw: Draw, figsize: tuple[float, float], dpi: int = 80):
+    def __init__(
+        self, controls: dict[str, widgets.ValueWidget], draw: Draw, figsize: tuple[float, float], dpi: int = 80
+    ):
         self.controls = controls
         self._draw, self._figsize, self._dpi = draw, figsize, dpi
         self.readout = widgets.HTML(layout=widgets.Layout(min_height="2.5em"))
@@ -173,8 +175,8 @@ def draw_correct_vs_wrong(
         up, down = view.push_per_token[mode]
         return abs(down) / up
 
-    text = (f"A wrong token is pushed down <b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is pushed up "
-            f"under sequence, {down_vs_up('token'):.2f}x under token and constant. Correct responses get "
+    text = (f"A wrong token is pushed down <b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is "
+            f"pushed up under sequence, {down_vs_up('token'):.2f}x under token and constant. Correct responses get "
             f"<b>{view.update_share['sequence'][0]:.0%}</b> of the update under sequence, "
             f"<b>{view.update_share['token'][0]:.0%}</b> under token.")
     return artists, text

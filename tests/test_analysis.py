@@ -35,7 +35,8 @@ def fractions(weights):
 
 
 def test_imbalanced_minibatch_layout():
-    batch = analysis.imbalanced_minibatch(world_size=2, accum_steps=2, imbalance=4, seqs_per_microbatch=2, full_length=12)
+    batch = analysis.imbalanced_minibatch(world_size=2, accum_steps=2, imbalance=4, seqs_per_microbatch=2,
+                                          full_length=12)
     assert batch.lengths.tolist() == [3, 3, 12, 12, 12, 12, 12, 12]
     assert batch.microbatch_tokens().tolist() == [[6, 24], [24, 24]]
     assert (batch.world_size, batch.accum_steps, batch.num_groups) == (2, 2, 4)
@@ -272,7 +273,8 @@ def fake_run(tmp_path, name, denominator, shard, digests, grad_norms, tokens_per
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"loss_denominator": denominator, "shard": shard}))
     rows = [{"step": k + 1, "grad_norm": g, "reward_mean": 0.5, "response_len_mean": 9.0, "rollout_digest": d,
-             "tokens": sum(t), "tokens_per_rank": t} for k, (d, g, t) in enumerate(zip(digests, grad_norms, tokens_per_rank))]
+             "tokens": sum(t), "tokens_per_rank": t}
+            for k, (d, g, t) in enumerate(zip(digests, grad_norms, tokens_per_rank))]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return analysis.load_run(out)
 
