@@ -12,7 +12,7 @@ EXTRAS ?= notebooks,test,hf
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test figures bench clean
+.PHONY: install demo test figures example bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,18 @@ install: $(STAMP)
 demo: install
 	$(PY) -m gradnorm.worked_example
 
+# --nbmake executes every notebook under notebooks/ as a test, besides tests/.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --nbmake
+
+figures: install
+	$(PY) figures/make_figures.py
+
+example: install
+	$(PY) -m gradnorm.worked_example
+
+bench: install
+	$(PY) -m gradnorm.bench --out benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
