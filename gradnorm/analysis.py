@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gradnorm.denominators import Denominator
-from gradnorm.equivalence import Case, Problem, _token_logp, make_policy, make_problem, run_ddp, token_losses
+from gradnorm.equivalence import Case, Problem, token_logp, make_policy, make_problem, run_ddp, token_losses
 from gradnorm.grpo import group_advantages
 from gradnorm.sharding import Plan, contiguous, make_plan
 from gradnorm.simulate import effective_weights, simulated_gradient
@@ -274,7 +274,7 @@ def _flat(grads: Sequence[Tensor]) -> Tensor:
 
 def sft_token_losses(policy: torch.nn.Module, problem: Problem, idx: Tensor) -> Tensor:
     """SFT's per-token loss, (n, T): the cross-entropy -log p(target) of every target token."""
-    return -_token_logp(policy, problem.inputs[idx], problem.targets[idx])
+    return -token_logp(policy, problem.inputs[idx], problem.targets[idx])
 
 
 def policy_gradient(
@@ -543,7 +543,7 @@ def dpo_pair_losses(policy: torch.nn.Module, problem: Problem, pairs: Tensor, be
     """
     chosen, rejected = 2 * pairs, 2 * pairs + 1
     both = torch.cat([chosen, rejected])
-    logp = _token_logp(policy, problem.inputs[both], problem.targets[both])  # (2n, T)
+    logp = token_logp(policy, problem.inputs[both], problem.targets[both])  # (2n, T)
     margin = torch.where(problem.mask[both], logp - problem.ref_logp[both], 0.0).sum(-1)  # (2n,)
     n = len(pairs)
     return -F.logsigmoid(beta * (margin[:n] - margin[n:])).unsqueeze(-1)

@@ -98,7 +98,7 @@ def make_problem(
     rewards = torch.rand(num_seq, generator=g, dtype=torch.float64)
     advantages = group_advantages(rewards, group_size)
     with torch.no_grad():
-        logp = _token_logp(make_policy(seed, torch.float64), inputs, targets)
+        logp = token_logp(make_policy(seed, torch.float64), inputs, targets)
     # Perturb the sampling policy so that some ratios leave the clip range on both sides.
     old_logp = logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64)
     ref_logp = logp + 0.1 * torch.randn(logp.shape, generator=g, dtype=torch.float64)
@@ -110,14 +110,15 @@ def make_problem(
     )
 
 
-def _token_logp(policy: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+def token_logp(policy: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+    """log pi(targets | inputs) per token, (n, T)."""
     logits = policy(inputs)
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def token_losses(policy: nn.Module, problem: Problem, idx: Tensor) -> TokenLosses:
     """GRPO per-token losses of sequences ``idx`` (clip-higher 0.2 / 0.28, k3 KL)."""
-    logp = _token_logp(policy, problem.inputs[idx], problem.targets[idx])
+    logp = token_logp(policy, problem.inputs[idx], problem.targets[idx])
     return grpo_token_losses(
         logp, problem.old_logp[idx], problem.advantages[idx],
         ref_logp=problem.ref_logp[idx], beta=problem.beta, clip_low=0.2, clip_high=0.28,
