@@ -12,6 +12,8 @@ alike, and each is reported as a median with its spread and as a ratio to the ba
    accumulation; and the collectives gradnorm issues per step beyond DDP's gradient all-reduce.
 2. Rollout generation with the KV cache against without it.
 3. How step time grows with response length, model width and world size (1, 2, 4 gloo ranks).
+4. How long each notebook takes under nbmake (CI-sized, as the test suite runs it), and how long
+   one widget callback of the analytic views takes (recompute + redraw + PNG), against a 50 ms goal.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -162,10 +166,54 @@ def bench_generation(batch_sizes: list[int], max_new_tokens: int, reps: int) -> 
     return rows
 
 
+def bench_widgets(reps: int) -> list[dict]:
+    """Median time of one callback (set a slider, recompute, redraw, encode the PNG) per explorer.
+
+    Each explorer is timed twice, interleaved: as shipped (tight_layout margins computed on the
+    first draw and reused) and recomputing tight_layout on every redraw, to show what that buys.
+    """
+    from gradnorm import widgets
+
+    torch.set_num_threads(1)
+    views = {
+        "01 token imbalance (imbalance slider)": (widgets.token_imbalance_explorer, "imbalance", [2, 6, 3, 8]),
+        "04 length bias (wrong length slider)": (widgets.length_bias_explorer, "wrong_len", [20, 50, 33, 60]),
+    }
+    rows = []
+    for name, (build, control, values) in views.items():
+        explorers = {reuse: build() for reuse in (True, False)}
+        explorers[False].reuse_margins = False
+        samples = {True: [], False: []}
+        for r in range(reps + 1):
+            for reuse in (True, False) if r % 2 == 0 else (False, True):
+                start = time.perf_counter()
+                explorers[reuse].controls[control].value = values[r % len(values)]  # the observer redraws
+                if r > 0:
+                    samples[reuse].append(time.perf_counter() - start)
+        shipped, before = _summary(samples[True]), _summary(samples[False])
+        rows.append({"view": name, **shipped, "tight_every_redraw_ms": before["median_ms"],
+                     "speedup": before["median_ms"] / shipped["median_ms"]})
+    return rows
+
+
+def bench_notebooks(root: Path) -> list[dict]:
+    """Wall time of each notebook under ``pytest --nbmake`` with CI=1, one at a time."""
+    rows = []
+    env = {**os.environ, "CI": "1", "OMP_NUM_THREADS": "1"}
+    for notebook in sorted((root / "notebooks").glob("*.ipynb")):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--nbmake", "-q", "-p", "no:cacheprovider",
+                               str(notebook)], cwd=root, env=env, capture_output=True, text=True)
+        rows.append({"notebook": notebook.stem, "seconds": time.perf_counter() - start,
+                     "passed": proc.returncode == 0})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test of the benchmark")
     parser.add_argument("--out", default="benchmarks", help="folder for results.md and results.json")
+    parser.add_argument("--skip-notebooks", action="store_true", help="leave out the nbmake timings")
     args = parser.parse_args(argv)
     rounds = 5 if args.quick else 40
     base = StepSetup()
@@ -183,14 +231,20 @@ def main(argv: list[str] | None = None) -> None:
     report["collectives"] = steps["overhead"]["collectives"]
     report["scaling_size"] = {name: {m: _summary(t) for m, t in steps[name]["times"].items()} for name, _ in sizes}
 
-    print("[2/3] generation with and without the KV cache...", flush=True)
+    print("[2/4] generation with and without the KV cache...", flush=True)
     report["generation"] = bench_generation([16, 64, 256], 32, 3 if args.quick else 10)
 
-    print("[3/3] world size 1, 2, 4 (4 ranks oversubscribe 2 cores)...", flush=True)
+    print("[3/4] world size 1, 2, 4 (4 ranks oversubscribe 2 cores)...", flush=True)
     report["scaling_world"] = {}
     for world_size in (1, 2, 4):
         res = run_step_jobs(world_size, [("world", base, ["local", "token"], max(3, rounds // 4))])
         report["scaling_world"][world_size] = {m: _summary(t) for m, t in res["world"]["times"].items()}
+
+    print("[4/4] widget callbacks and notebooks...", flush=True)
+    report["widgets"] = bench_widgets(3 if args.quick else 20)
+    root = Path(__file__).resolve().parents[1]
+    if not args.skip_notebooks and (root / "notebooks").is_dir():
+        report["notebooks"] = bench_notebooks(root)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,6 +287,19 @@ def render_markdown(report: dict) -> str:
     for world_size, row in report["scaling_world"].items():
         lines.append(f"| W={world_size}, same global batch | {row['local']['median_ms']:.2f} |"
                      f" {row['token']['median_ms']:.2f} | {row['token']['median_ms'] / row['local']['median_ms']:.3f} |")
+    lines += ["", "## 4. Notebooks and widgets", "",
+              "One widget callback: set the slider, recompute from `gradnorm.analysis`, redraw, encode the PNG"
+              " (goal: under 50 ms).", "",
+              "| view | median (ms) | p10-p90 (ms) | with tight_layout on every redraw (ms) | speed-up |",
+              "|---|---|---|---|---|"]
+    for row in report["widgets"]:
+        lines.append(f"| {row['view']} | {row['median_ms']:.1f} | {row['p10_ms']:.1f}-{row['p90_ms']:.1f} |"
+                     f" {row['tight_every_redraw_ms']:.1f} | {row['speedup']:.2f}x |")
+    if "notebooks" in report:
+        lines += ["", "Each notebook under `pytest --nbmake` with CI=1 (includes starting a kernel):", "",
+                  "| notebook | seconds | passed |", "|---|---|---|"]
+        for row in report["notebooks"]:
+            lines.append(f"| {row['notebook']} | {row['seconds']:.1f} | {row['passed']} |")
     return "\n".join(lines) + "\n"
 
 

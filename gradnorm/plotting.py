@@ -91,7 +91,9 @@ def plot_rank_shares(ax: Axes, shares: dict[str, analysis.RankShares]) -> dict[s
     return out
 
 
-def imbalance_view(fig: Figure, batch: analysis.Minibatch, modes: Sequence[str] = ("local", "token")) -> dict:
+def imbalance_view(
+    fig: Figure, batch: analysis.Minibatch, modes: Sequence[str] = ("local", "token"), tight: bool = True
+) -> dict:
     """The whole picture of notebook 01 on ``fig``: per-token weights under each mode, rank shares.
 
     Returns {"layout": {mode: Layout}, "weights": {mode: bars}, "shares": {mode: RankShares},
@@ -106,7 +108,8 @@ def imbalance_view(fig: Figure, batch: analysis.Minibatch, modes: Sequence[str] 
     shares = {m: analysis.batch_rank_shares(batch, m) for m in modes}
     share_bars = plot_rank_shares(axes[-1], shares)
     axes[-1].set_title("each rank's share")
-    fig.tight_layout()
+    if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
+        fig.tight_layout()
     return {"layout": layouts, "weights": weights, "shares": shares, "share_bars": share_bars}
 
 
@@ -197,14 +200,17 @@ def plot_sharding_comparison(
     return out
 
 
-def gradient_view(fig: Figure, sweep: analysis.GradientSweep, mode: str, imbalance: float) -> dict:
+def gradient_view(
+    fig: Figure, sweep: analysis.GradientSweep, mode: str, imbalance: float, tight: bool = True
+) -> dict:
     """Notebook 02's explorer: microbatch tokens at one imbalance, one mode's error and cosine."""
     ax_tokens, ax_error, ax_cosine = fig.subplots(1, 3)
     k = int(np.argmin(np.abs(sweep.imbalance - imbalance)))
     bars = plot_microbatch_tokens(ax_tokens, sweep.microbatch_tokens[k], unit=sweep.unit,
                                   title=f"{sweep.unit} per microbatch at imbalance {sweep.imbalance[k]:g}")
     lines = plot_gradient_sweep(ax_error, ax_cosine, sweep, [mode], marker_at=sweep.imbalance[k])
-    fig.tight_layout()
+    if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
+        fig.tight_layout()
     return {"tokens": bars, "lines": lines, "index": k}
 
 
@@ -255,12 +261,13 @@ def plot_group_shares(ax: Axes, view: analysis.LengthWeights) -> dict[str, BarCo
     return out
 
 
-def length_weights_view(fig: Figure, view: analysis.LengthWeights) -> dict:
+def length_weights_view(fig: Figure, view: analysis.LengthWeights, tight: bool = True) -> dict:
     """Notebook 04's first picture: weight per token and per response against length, per prompt."""
     ax_token, ax_share, ax_groups = fig.subplots(1, 3)
     lines = plot_length_weights(ax_token, ax_share, view)
     groups = plot_group_shares(ax_groups, view)
-    fig.tight_layout()
+    if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
+        fig.tight_layout()
     return {"lines": lines, "groups": groups}
 
 
@@ -293,11 +300,12 @@ def plot_correct_vs_wrong(ax_push: Axes, ax_share: Axes, view: analysis.CorrectV
     return {"correct": correct, "wrong": wrong, "share_correct": share_c, "share_wrong": share_w}
 
 
-def correct_vs_wrong_view(fig: Figure, view: analysis.CorrectVsWrong) -> dict:
+def correct_vs_wrong_view(fig: Figure, view: analysis.CorrectVsWrong, tight: bool = True) -> dict:
     """Notebook 04's explorer on ``fig``."""
     ax_push, ax_share = fig.subplots(1, 2)
     out = plot_correct_vs_wrong(ax_push, ax_share, view)
-    fig.tight_layout()
+    if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
+        fig.tight_layout()
     return out
 
 

@@ -28,7 +28,8 @@ class Explorer:
     """Controls, a readout and a figure that is redrawn from scratch whenever a control changes."""
 
     def __init__(
-        self, controls: dict[str, widgets.ValueWidget], draw: Draw, figsize: tuple[float, float], dpi: int = 80
+        self, controls: dict[str, widgets.ValueWidget], draw: Draw, figsize: tuple[float, float], dpi: int = 80,
+        reuse_margins: bool = True,
     ):
         self.controls = controls
         self._draw, self._figsize, self._dpi = draw, figsize, dpi
@@ -37,6 +38,8 @@ class Explorer:
         self.box = widgets.VBox([widgets.HBox(list(controls.values())), self.readout, self.image])
         self.figure: Figure | None = None
         self.artists: dict = {}
+        self.reuse_margins = reuse_margins
+        self._margins: dict | None = None  # tight_layout's result on the first draw, reused after
         self._holding = False
         for control in controls.values():
             control.observe(lambda _change: self._holding or self.redraw(), names="value")
@@ -48,7 +51,15 @@ class Explorer:
 
     def redraw(self) -> None:
         fig = Figure(figsize=self._figsize)
-        self.artists, text = self._draw(fig, **self.values)
+        self.artists, text = self._draw(fig, **self.values)  # views are drawn with tight=False
+        # tight_layout lays out every label once more (about as slow as rendering the PNG), and the
+        # margins barely move between slider values: compute them on the first draw only.
+        if self._margins is None or not self.reuse_margins:
+            fig.tight_layout()
+            params = fig.subplotpars
+            self._margins = {k: getattr(params, k) for k in ("left", "right", "bottom", "top", "wspace", "hspace")}
+        else:
+            fig.subplots_adjust(**self._margins)
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=self._dpi)
         self.figure = fig
@@ -88,7 +99,7 @@ FULL_LENGTH = 24  # tokens per sequence in a full microbatch of the explorer (24
 def draw_token_imbalance(fig: Figure, world_size: int, accum_steps: int, imbalance: float) -> tuple[dict, str]:
     """Per-token weights under local and token, and rank shares, for ``imbalanced_minibatch``."""
     batch = analysis.imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=FULL_LENGTH)
-    artists = plotting.imbalance_view(fig, batch, ("local", "token"))
+    artists = plotting.imbalance_view(fig, batch, ("local", "token"), tight=False)
     artists["batch"] = batch
     return artists, describe_token_imbalance(batch, artists)
 
@@ -139,7 +150,7 @@ def gradient_explorer(
             sweeps[shard] = analysis.gradient_sweep(imbalances, shard=shard, world_size=world_size,
                                                     accum_steps=accum_steps)
         sweep = sweeps[shard]
-        artists = plotting.gradient_view(fig, sweep, mode, imbalance)
+        artists = plotting.gradient_view(fig, sweep, mode, imbalance, tight=False)
         artists["sweep"] = sweep
         k = artists["index"]
         tokens = sweep.microbatch_tokens[k]
@@ -168,7 +179,7 @@ def draw_correct_vs_wrong(
 ) -> tuple[dict, str]:
     view = analysis.correct_vs_wrong(correct_len, wrong_len, num_correct, group_size,
                                      max_new_tokens=max_new_tokens, scale_by_std=scale_by_std)
-    artists = plotting.correct_vs_wrong_view(fig, view)
+    artists = plotting.correct_vs_wrong_view(fig, view, tight=False)
     artists["view"] = view
 
     def down_vs_up(mode: str) -> float:
