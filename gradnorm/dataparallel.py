@@ -144,14 +144,18 @@ def gathered_for_sampling(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """A full, unsharded CPU state dict on every rank (a collective under FSDP2), for checkpoints.
+    """The model's full, unsharded state dict for a checkpoint (the inner module's keys).
 
-    Plain and DDP models return their ordinary state dict (the inner module's keys).
+    Under FSDP2 this is a collective (every rank must call it) and only rank 0 receives the
+    tensors, on the CPU; the other ranks get an empty dict. Plain and DDP models return their
+    ordinary state dict.
     """
     inner = unwrap(model)
     if not is_fsdp(inner):
         return inner.state_dict()
-    return {k: full_tensor(v).detach().cpu() for k, v in inner.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(inner, options=_full_options(cpu_offload=True))
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
@@ -160,7 +164,35 @@ def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
     if not is_fsdp(inner):
         inner.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     # A copy: set_model_state_dict replaces the dict's values with sharded DTensors in place.
-    set_model_state_dict(inner, dict(state), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+    set_model_state_dict(inner, dict(state), options=_full_options())
+
+
+def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The optimizer's state for a checkpoint: ``opt.state_dict()``, or under FSDP2 the full,
+    unsharded state keyed by parameter name (a collective; only rank 0 receives it, on the CPU)."""
+    inner = unwrap(model)
+    if not is_fsdp(inner):
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(inner, opt, options=_full_options(cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Load what ``optimizer_state`` saved; under FSDP2 every rank keeps its own shard of it."""
+    inner = unwrap(model)
+    if not is_fsdp(inner):
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(inner, opt, optim_state_dict=state, options=_full_options())
+
+
+def _full_options(cpu_offload: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
