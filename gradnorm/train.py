@@ -1,0 +1,285 @@
+"""GRPO with exact loss normalization, on any number of ranks: the trainer of gradnorm.
+
+Run it from the repository root (after ``make install`` or ``pip install -e .``):
+
+    # the main job: 2 CPU ranks over gloo, about 3 minutes on 2 cores
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 gradnorm/train.py
+    # one process, no torchrun (the same run, to fp32 rounding)
+    python gradnorm/train.py
+    # the bug on purpose: per-microbatch means, ranks sorted by response length
+    torchrun --standalone --nproc_per_node=2 gradnorm/train.py --loss-denominator local --shard length \\
+        --grad-accum-steps 2 --output-dir runs/local
+    # continue an interrupted run from its latest checkpoint
+    torchrun --standalone --nproc_per_node=2 gradnorm/train.py --resume
+    # on GPUs the backend is NCCL automatically (override with --backend, --device)
+    torchrun --standalone --nproc_per_node=8 gradnorm/train.py
+
+``--help`` documents every flag (they come from ``gradnorm.trainconfig.TrainConfig``). Rank 0
+alone prints and writes ``output-dir/``: ``config.json``, ``metrics.jsonl`` (one JSON object per
+optimizer step), ``warmup.json``, ``ckpt_step{N}.pt`` and ``learning_curve.png``.
+
+One optimizer step (S = prompts-per-step * group-size sequences, the same for every W):
+
+ 1. Rollout. Every rank samples the whole global rollout batch with generators seeded from
+    (seed, step), using the unwrapped model: the batch depends on the seed, the step and the
+    weights, never on W, A or the sharding (gradnorm.rollout). On CPU each process runs with
+    --cpu-threads threads (1 by default) because matmuls round differently with different thread
+    counts, and a one-ulp difference in a logit can flip a sampled token between W=1 and W=2.
+ 2. Shard. ``sharding.make_plan(--shard, lengths, W, A)`` assigns sequences to ranks and
+    microbatches; each rank keeps plan[rank].
+ 3. Accumulate. ``update.accumulate_gradients`` counts this rank's response tokens, all-reduces
+    the count vector ONCE (the fix; skipped by local and a constant, which need no counts), and
+    backpropagates each microbatch's weighted loss under DDP's no_sync except the last.
+ 4. Step. Clip the global gradient norm (the logged grad_norm is the norm before clipping, the
+    same on every rank after DDP's all-reduce), AdamW step.
+ 5. Log. One more all-reduce of 6 float64 sums (J, tokens, pg loss, KL, clipped tokens, entropy)
+    makes every logged statistic a global, token-weighted value comparable across W and A. It is a
+    logging collective, the same in every mode, separate from the normalization's count all-reduce.
+
+Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
+
+ 1. No pretrained model: a tiny transformer starts from scratch, and a short supervised warm-up
+    on the task's demonstrations (--warmup-steps, replicated on every rank so the starting policy
+    is independent of W) stands in for pretraining. RL alone is slow from random weights. The
+    reward is logged before and after the warm-up (warmup.json) so its share of the final reward
+    is visible; GRPO takes it the rest of the way.
+ 2. The default denominator is the global token mean (DAPO); GRPO's per-sequence mean is
+    --loss-denominator sequence, Dr GRPO's constant is a number.
+ 3. beta = 0 by default: no reference policy, no KL term (DAPO, Dr GRPO). With beta > 0 the
+    reference is the policy after warm-up and the k3 estimator enters the loss, not the reward.
+ 4. Clip-higher (DAPO): ratios are clipped to [1 - 0.2, 1 + 0.28].
+ 5. The reward is shaped (partial credit for the right letter and the right length, halved
+    without EOS; gradnorm.tasks), so a weak policy still sees a gradient.
+ 6. One optimizer step per rollout by default: fully on-policy, the importance ratio is exactly 1
+    and the clip never fires. --minibatches-per-rollout and --epochs give PPO-style reuse (GRPO's
+    mu iterations); old log-probs are then computed once per rollout, before any update.
+ 7. Constant learning rate, no schedule; groups whose rewards are all equal simply get zero
+    advantage (no dynamic sampling as in DAPO).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+try:  # run as a script, sys.path[0] is gradnorm/; a plain checkout has no installed package
+    import gradnorm  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from gradnorm import checkpointing, parallel
+from gradnorm.grpo import finalize_stats, grpo_token_losses
+from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
+from gradnorm.sharding import make_plan, tokens_per_rank
+from gradnorm.tasks import RepeatTask
+from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs, token_logprobs_and_entropy
+from gradnorm.trainconfig import TrainConfig, parse_config
+from gradnorm.update import accumulate_gradients
+
+TIMING_KEYS = ("tokens_per_second", "elapsed_s")
+"""Metrics that measure wall time: everything else in metrics.jsonl is a function of the config."""
+
+
+def warm_up(model: TinyGPT, task: RepeatTask, cfg: TrainConfig) -> None:
+    """Next-token training on demonstrations (masked token-mean NLL), run identically on every rank.
+
+    No DDP and no collectives: every rank computes the same full batch bit for bit, so the policy
+    GRPO starts from is the same for every W.
+    """
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
+    g = seeded_generator(cfg.seed, "warmup")
+    for _ in range(cfg.warmup_steps):
+        tokens, loss_mask = (t.to(device) for t in task.demonstrations(cfg.warmup_batch, g))
+        logp, _ = token_logprobs_and_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        mask = loss_mask[:, 1:]
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint --resume continues from; a one-line ValueError when there is none."""
+    if not cfg.resume:
+        return None
+    path = checkpointing.latest_checkpoint(cfg.output_dir)
+    if path is None:
+        raise ValueError(f"--resume: no checkpoint ckpt_step*.pt in {cfg.output_dir}")
+    return path
+
+
+def open_metrics(path: Path, keep_through_step: int):
+    """metrics.jsonl for appending, cut back to the steps <= ``keep_through_step`` (0: a fresh file)."""
+    kept = []
+    if keep_through_step > 0 and path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= keep_through_step]
+    path.write_text("".join(line + "\n" for line in kept))
+    return open(path, "a")
+
+
+def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -> None:
+    W, A, U = ctx.world_size, cfg.grad_accum_steps, cfg.updates_per_rollout
+    out = Path(cfg.output_dir)
+    task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
+    P = task.prompt_len
+    torch.manual_seed(cfg.seed)
+    model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd)).to(ctx.device)
+    if ckpt_path is not None:
+        state = checkpointing.load(ckpt_path, map_location=ctx.device)
+        model.load_state_dict(state["model"])
+        start, warmup, elapsed0 = state["step"], state["warmup"], state["elapsed_s"]
+    else:
+        start, elapsed0, t = 0, 0.0, time.perf_counter()
+        before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
+        warm_up(model, task, cfg)
+        after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
+        warmup = {"steps": cfg.warmup_steps, "reward_before": before, "reward_after": after,
+                  "seconds": time.perf_counter() - t}
+        parallel.print0(f"warm-up: {cfg.warmup_steps} supervised steps, sampled reward {before:.3f} -> {after:.3f}")
+    ref = None
+    if cfg.beta > 0:  # the frozen reference: the policy after warm-up
+        ref = copy.deepcopy(model).requires_grad_(False).eval()
+        if ckpt_path is not None:
+            ref.load_state_dict(state["ref_model"])
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None) \
+        if ctx.backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if ckpt_path is not None:
+        opt.load_state_dict(state["optimizer"])
+        checkpointing.set_rng_state(state["rng"])
+        parallel.print0(f"resumed from {ckpt_path} at step {start}")
+
+    metrics = None
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": W}, indent=2) + "\n")
+        (out / "warmup.json").write_text(json.dumps(warmup, indent=2) + "\n")
+        metrics = open_metrics(out / "metrics.jsonl", start)
+        if ckpt_path is None:  # a fresh run replaces the old one's files, so --resume never mixes runs
+            for stale in out.glob("ckpt_step*.pt"):
+                stale.unlink()
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (ctx.is_main and sys.stderr.isatty()),
+               desc="GRPO", dynamic_ncols=True)
+    t0 = t_prev = time.perf_counter()
+    rollout = old_logp = ref_logp = None
+    for step in range(start + 1, cfg.steps + 1):
+        j = (step - 1) % U  # which update of the current rollout batch this is
+        if j == 0 or rollout is None:
+            rollout = generate_rollout(model, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
+                                       group_size=cfg.group_size, seed=cfg.seed, step=step - j,
+                                       temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std)
+            with torch.no_grad():  # log-probs of the sampling policy, needed once samples are reused
+                old_logp = response_logprobs(model, rollout.tokens, P)[0] if U > 1 else None
+                ref_logp = response_logprobs(ref, rollout.tokens, P)[0] if ref is not None else None
+        mb_index = j % cfg.minibatches_per_rollout
+        mb = rollout.groups(mb_index * cfg.prompts_per_step, cfg.prompts_per_step)
+        rows = slice(mb_index * cfg.sequences_per_step, (mb_index + 1) * cfg.sequences_per_step)
+        mb_old = None if old_logp is None else old_logp[rows]
+        mb_ref = None if ref_logp is None else ref_logp[rows]
+        lengths = mb.lengths.cpu()
+        plan = make_plan(cfg.shard, lengths, W, A)
+
+        def token_losses(idx):  # the forward pass of one microbatch, through DDP
+            logp, entropy = response_logprobs(ddp, mb.tokens[idx], P)
+            return grpo_token_losses(
+                logp, logp.detach() if mb_old is None else mb_old[idx], mb.advantages[idx],
+                ref_logp=None if mb_ref is None else mb_ref[idx], beta=cfg.beta, clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator, entropy=entropy.detach(),
+            )
+
+        opt.zero_grad(set_to_none=True)
+        _, sums = accumulate_gradients(ddp, plan[ctx.rank], mb.mask, mb.group_ids, mb.num_groups,
+                                       cfg.denominator, token_losses, W)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        stats = finalize_stats(parallel.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
+
+        now = time.perf_counter()
+        record = {
+            "step": step, "loss": stats["loss"], "grad_norm": float(grad_norm),
+            "reward_mean": float(mb.rewards.mean()), "exact_match": float((mb.rewards == 1.0).float().mean()),
+            "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
+            "tokens": stats["tokens"], "tokens_per_rank": tokens_per_rank(plan, lengths),
+            **{k: stats[k] for k in ("pg_loss", "kl", "clipfrac", "entropy") if k in stats},
+            "rollout_digest": rollout.digest(),
+            "tokens_per_second": stats["tokens"] / max(now - t_prev, 1e-9), "elapsed_s": elapsed0 + now - t0,
+        }
+        t_prev = now
+        if ctx.is_main:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
+            if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
+                print(f"step {step}/{cfg.steps} reward {record['reward_mean']:.3f} loss {record['loss']:.4f} "
+                      f"grad_norm {record['grad_norm']:.4f} tokens/s {record['tokens_per_second']:.0f}", flush=True)
+            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                checkpointing.save_atomic({
+                    "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                    "rng": checkpointing.rng_state(), "warmup": warmup, "elapsed_s": record["elapsed_s"],
+                    **({"ref_model": ref.state_dict()} if ref is not None else {}),
+                }, checkpointing.checkpoint_path(out, step))
+    bar.close()
+    if ctx.is_main:
+        metrics.close()
+        summarize(out, cfg.plot)
+
+
+def summarize(out: Path, plot: bool) -> None:
+    """Print the run's outcome and draw its learning curve (rank 0)."""
+    from gradnorm.curves import read_metrics, write_learning_curve
+
+    rows = read_metrics(out / "metrics.jsonl")
+    last = rows[-10:]
+    warmup = json.loads((out / "warmup.json").read_text())
+    print(f"reward: {warmup['reward_before']:.3f} before warm-up, {warmup['reward_after']:.3f} after; "
+          f"mean of the last {len(last)} steps {sum(r['reward_mean'] for r in last) / len(last):.3f} "
+          f"(max 1.0); {rows[-1]['elapsed_s']:.0f} s of GRPO")
+    if not plot:
+        return
+    try:
+        print(f"learning curve: {write_learning_curve(out)}")
+    except ImportError:
+        print("learning curve skipped: matplotlib is not installed (pip install -e '.[notebooks]')")
+
+
+def main(argv: list[str] | None = None) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:  # every rank validates the same flags; rank 0 says what is wrong, before any model exists
+        cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
+        ckpt_path = resume_point(cfg)
+    except ValueError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(cfg.cpu_threads)
+    ctx = parallel.setup(backend=None if cfg.backend == "auto" else cfg.backend,
+                         device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
+    try:
+        train(cfg, ctx, ckpt_path)
+    finally:
+        parallel.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    if parallel.launched_by_torchrun():
+        # Skip interpreter finalization under torchrun. A gloo worker thread may still be dropping
+        # the last collective's tensors, which takes the GIL; during finalization that aborts the
+        # process ("terminate called without an active exception", SIGABRT) now and then, and
+        # torchrun reports the run as failed. Seen here under load; see pytorch/pytorch#179291.
+        # Everything is written, closed and torn down by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

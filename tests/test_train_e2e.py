@@ -1,0 +1,134 @@
+"""The trainer end to end, with real ``torchrun`` launches of ``gradnorm/train.py`` over gloo.
+
+What must hold, on one tiny config (4 prompts x 4 completions, ragged response lengths):
+- the rollout batch of step 1 is bit-identical for every world size, accumulation and sharding;
+- step 1's gradient norm (before clipping) is the same to fp32 rounding for (W, A) = (1,1), (1,4),
+  (2,1), (2,2) and every sharding under ``token``, and for (1,1) vs (2,2) sorted by length under
+  ``sequence``, ``group`` and a constant C;
+- the control: ``local`` with ranks sorted by length differs from the (1,1) run by far more than
+  rounding, so these comparisons can fail;
+- a run interrupted and resumed from its checkpoint logs exactly the metrics of one that was not.
+
+The (1,1) references run the script's ``main()`` in one plain Python process (no torchrun);
+every other run is its own torchrun launch, one after another (11 torchrun launches).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from gradnorm.train import TIMING_KEYS
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--prompts-per-step", "4", "--group-size", "4", "--warmup-steps", "20", "--eval-prompts", "8",
+        "--no-plot", "--seed", "3"]
+CONSTANT = "320"  # Dr GRPO's C = S * max_new_tokens = 16 * 20
+REFERENCE_MODES = ["token", "sequence", "group", CONSTANT, "local"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(nproc: int, out: Path, *flags: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{(mode, W, A, shard): step-1 metrics} for every launch, plus the resume test's directories."""
+    base = tmp_path_factory.mktemp("train")
+    # (1,1): one plain Python process runs main() once per mode.
+    script = ("import sys; from gradnorm.train import main\n"
+              "for mode in sys.argv[2:]:\n"
+              f"    assert main({TINY!r} + ['--steps', '1', '--loss-denominator', mode, "
+              "'--output-dir', sys.argv[1] + '/' + mode]) == 0\n")
+    subprocess.run([sys.executable, "-c", script, str(base / "single"), *REFERENCE_MODES],
+                   cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+    found = {(mode, 1, 1, "interleave"): metrics(base / "single" / mode)[0] for mode in REFERENCE_MODES}
+    launches = [("token", 1, 4, "contiguous"), ("token", 2, 1, "interleave"), ("token", 2, 1, "contiguous"),
+                ("token", 2, 2, "balanced"), ("sequence", 2, 2, "length"), ("group", 2, 2, "length"),
+                (CONSTANT, 2, 2, "length"), ("local", 2, 2, "length")]
+    for mode, world_size, accum, shard in launches:
+        out = base / f"{mode}-{world_size}-{accum}-{shard}"
+        torchrun(world_size, out, "--steps", "1", "--loss-denominator", mode,
+                 "--grad-accum-steps", str(accum), "--shard", shard)
+        found[mode, world_size, accum, shard] = metrics(out)[0]
+    # token, (2,2), sorted by length: 4 uninterrupted steps, which also serve the resume test.
+    full = base / "full"
+    torchrun(2, full, "--steps", "4", "--save-every", "2", "--grad-accum-steps", "2", "--shard", "length")
+    found["token", 2, 2, "length"] = metrics(full)[0]
+    return found, base
+
+
+def test_step_one_rollouts_are_bit_identical_across_world_size_accumulation_and_sharding(runs):
+    found, _ = runs
+    digests = {key: m["rollout_digest"] for key, m in found.items()}
+    assert len(set(digests.values())) == 1, digests
+    for key, m in found.items():  # the same rollout means the same global token count, however split
+        assert sum(m["tokens_per_rank"]) == m["tokens"] == found["token", 1, 1, "interleave"]["tokens"], key
+
+
+def test_token_grad_norm_is_invariant_to_world_size_accumulation_and_sharding(runs):
+    found, _ = runs
+    reference = found["token", 1, 1, "interleave"]
+    token_runs = {key: m for key, m in found.items() if key[0] == "token"}
+    assert {key[1:] for key in token_runs} >= {(1, 1, "interleave"), (1, 4, "contiguous"), (2, 1, "interleave"),
+                                               (2, 1, "contiguous"), (2, 2, "length"), (2, 2, "balanced")}
+    for key, m in token_runs.items():
+        assert_close(m["grad_norm"], reference["grad_norm"], rtol=1e-5, atol=0, msg=f"{key}")
+        assert_close(m["loss"], reference["loss"], rtol=1e-5, atol=1e-7, msg=f"{key}")
+
+
+@pytest.mark.parametrize("mode", ["sequence", "group", CONSTANT])
+def test_other_invariant_modes_match_one_process_under_length_sorted_ranks(runs, mode):
+    found, _ = runs
+    single, sharded = found[mode, 1, 1, "interleave"], found[mode, 2, 2, "length"]
+    assert_close(sharded["grad_norm"], single["grad_norm"], rtol=1e-5, atol=0)
+    assert_close(sharded["loss"], single["loss"], rtol=1e-5, atol=1e-7)
+
+
+def test_local_differs_when_ranks_hold_ragged_token_counts(runs):
+    """The control: the same rollout, the old per-microbatch mean, a clearly different gradient."""
+    found, _ = runs
+    single, sharded = found["local", 1, 1, "interleave"], found["local", 2, 2, "length"]
+    short_rank, long_rank = sharded["tokens_per_rank"]
+    assert short_rank < long_rank / 2  # sorting by length really made the ranks unequal
+    relative = abs(sharded["grad_norm"] - single["grad_norm"]) / single["grad_norm"]
+    assert relative > 0.05, (sharded["grad_norm"], single["grad_norm"])
+    # With W = A = 1 local is the global token mean; only the split changes it.
+    assert_close(single["grad_norm"], found["token", 1, 1, "interleave"]["grad_norm"], rtol=1e-6, atol=0)
+
+
+def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(runs):
+    _, base = runs
+    full, resumed = base / "full", base / "resumed"
+    flags = ["--save-every", "2", "--grad-accum-steps", "2", "--shard", "length"]
+    torchrun(2, resumed, "--steps", "3", *flags)
+    # A crash after step 3 was logged but before its checkpoint: --resume must drop that line.
+    (resumed / "ckpt_step3.pt").unlink()
+    torchrun(2, resumed, "--steps", "4", "--resume", *flags)
+
+    def comparable(out):
+        return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(out)]
+
+    assert [m["step"] for m in comparable(resumed)] == [1, 2, 3, 4]
+    assert comparable(resumed) == comparable(full)
+    assert sorted(p.name for p in full.glob("ckpt_step*.pt")) == ["ckpt_step2.pt", "ckpt_step4.pt"]
+    final = torch.load(full / "ckpt_step4.pt", weights_only=True)
+    again = torch.load(resumed / "ckpt_step4.pt", weights_only=True)
+    assert final["step"] == again["step"] == 4
+    for name, tensor in final["model"].items():
+        assert torch.equal(tensor, again["model"][name]), name
