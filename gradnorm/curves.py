@@ -41,7 +41,7 @@ def plot_learning_curve(ax, metrics: list[dict[str, Any]], warmup: dict[str, Any
         ax.annotate(f"before warm-up {warmup['reward_before']:.2f}", (0, warmup["reward_before"]),
                     textcoords="offset points", xytext=(6, 4), fontsize=8, color="tab:red")
         ax.annotate(f"after {warmup['steps']} warm-up steps {warmup['reward_after']:.2f}", (0, warmup["reward_after"]),
-                    textcoords="offset points", xytext=(6, -12), fontsize=8, color="tab:orange")
+                    textcoords="offset points", xytext=(8, 6), fontsize=8, color="tab:orange")
     ax.set_xlabel("GRPO optimizer step")
     ax.set_ylabel("reward (max 1)")
     ax.set_ylim(0, 1.05)
@@ -66,7 +66,8 @@ def write_learning_curve(output_dir: str | Path, filename: str = "learning_curve
     config_path = output_dir / "config.json"
     if config_path.exists():
         cfg = json.loads(config_path.read_text())
-        ax.set_title(f"GRPO on the repeat task: {cfg.get('world_size', 1)} rank(s), "
+        ranks = cfg.get("world_size", 1)
+        ax.set_title(f"GRPO on the repeat task: {ranks} rank{'s' if ranks > 1 else ''}, "
                      f"loss denominator {cfg['loss_denominator']}", fontsize=10)
     path = output_dir / filename
     fig.savefig(path, dpi=120)
