@@ -10,9 +10,11 @@ unpickler) accepts; RNG states are therefore stored as tensors.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,38 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint with the safe unpickler (tensors and plain containers only)."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+TRAINER_KEYS = ("model", "optimizer", "step", "rng", "warmup", "elapsed_s")
+"""What a checkpoint written by gradnorm/train.py holds at least."""
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu", required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Load a checkpoint with the safe unpickler (tensors and plain containers only).
+
+    A missing, truncated or corrupt file, one that the safe unpickler refuses (a pickle naming a
+    class or function, e.g. a malicious ``__reduce__``), or one without the ``required`` keys is a
+    one-line ``ValueError`` naming the file and what to do; nothing in it is ever executed.
+    """
+    path = Path(path)
+    advice = "delete it to resume from an earlier checkpoint, or start over without --resume"
+    if not path.is_file():
+        raise ValueError(f"checkpoint {path} does not exist")
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": noise next to the error below
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError... with long messages
+        if isinstance(err, pickle.UnpicklingError):  # never suggest weights_only=False, as torch's message does
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+            what = f"it references {found.group(1)}" if found else "it holds more than tensors and plain containers"
+            raise ValueError(f"checkpoint {path} is refused by the safe unpickler (weights_only=True): {what}, "
+                             f"so it is not a gradnorm checkpoint and may be malicious; {advice}") from None
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {first}); {advice}") from None
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (missing {', '.join(missing)}); "
+                         f"{advice}")
+    return state
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

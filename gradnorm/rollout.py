@@ -42,6 +42,26 @@ def response_mask(responses: Tensor, eos_id: int) -> Tensor:
     return eos_before == 0
 
 
+def check_rewards(rewards: object, num_sequences: int) -> Tensor:
+    """The reward function's output as a float32 (S,) tensor, or a one-line ValueError saying why not.
+
+    A reward that is NaN or inf, or of the wrong shape, would turn every advantage of its group
+    (and then the weights) into NaN, or silently misalign rewards with sequences: refuse it here.
+    """
+    if not isinstance(rewards, Tensor):
+        raise ValueError(f"reward function returned {type(rewards).__name__}, expected a tensor of shape "
+                         f"({num_sequences},); fix the task's reward()")
+    if tuple(rewards.shape) != (num_sequences,):
+        raise ValueError(f"reward function returned shape {tuple(rewards.shape)}, expected ({num_sequences},) "
+                         "(one reward per sequence); fix the task's reward()")
+    bad = ~torch.isfinite(rewards.float())
+    if bad.any():
+        first = int(bad.nonzero()[0])
+        raise ValueError(f"reward function returned {int(bad.sum())} non-finite reward(s) (sequence {first}: "
+                         f"{float(rewards[first])}); rewards must be finite numbers, fix the task's reward()")
+    return rewards.float()
+
+
 @dataclass
 class Rollout:
     """One global rollout batch: num_prompts groups of G consecutive completions.
@@ -121,7 +141,7 @@ def generate_rollout(
     P = task.prompt_len
     mask = response_mask(tokens[:, P:], task.tokenizer.eos_id)  # (S, max_new_tokens)
     width = max(int(mask.sum(-1).max()), 1)  # R: the longest response of the batch
-    rewards = task.reward(tokens[:, P:].cpu(), answers).to(device)  # (S,)
+    rewards = check_rewards(task.reward(tokens[:, P:].cpu(), answers), len(tokens)).to(device)  # (S,)
     return Rollout(
         tokens=tokens[:, : P + width], mask=mask[:, :width], rewards=rewards,
         advantages=group_advantages(rewards, group_size, scale_by_std),

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -83,6 +84,10 @@ from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs, token_logprobs_and_entropy
 from gradnorm.trainconfig import TrainConfig, parse_config
 from gradnorm.update import accumulate_gradients
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (e.g. too many non-finite steps in a row); main prints it in one line."""
+
 
 TIMING_KEYS = ("tokens_per_second", "elapsed_s")
 """Metrics that measure wall time: everything else in metrics.jsonl is a function of the config."""
@@ -134,11 +139,17 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
     torch.manual_seed(cfg.seed)
     model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd)).to(ctx.device)
     if ckpt_path is not None:
-        state = checkpointing.load(ckpt_path, map_location=ctx.device)
-        model.load_state_dict(state["model"])
+        state = checkpointing.load(ckpt_path, map_location=ctx.device, required=checkpointing.TRAINER_KEYS)
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as err:
+            raise ValueError(f"checkpoint {ckpt_path} holds a different model ({(str(err).splitlines() + [''])[1].strip()[:120]}); "
+                             "resume with the --n-layer/--n-head/--n-embd it was trained with") from None
         start, warmup, elapsed0 = state["step"], state["warmup"], state["elapsed_s"]
+        skipped, in_a_row = state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0)
     else:
         start, elapsed0, t = 0, 0.0, time.perf_counter()
+        skipped = in_a_row = 0  # steps skipped for a non-finite loss or gradient: in all, and in a row
         before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
         warm_up(model, task, cfg)
         after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
@@ -200,8 +211,19 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
         _, sums = accumulate_gradients(ddp, plan[ctx.rank], mb.mask, mb.group_ids, mb.num_groups,
                                        cfg.denominator, token_losses, W)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        opt.step()
         stats = finalize_stats(parallel.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
+        # grad_norm (after DDP's all-reduce) and the stats (all-reduced) are the same on every rank,
+        # so every rank takes the same decision without another collective. NaN never reaches the weights.
+        finite = bool(torch.isfinite(grad_norm)) and all(math.isfinite(v) for v in stats.values())
+        if finite:
+            opt.step()
+            in_a_row = 0
+        else:
+            opt.zero_grad(set_to_none=True)
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            parallel.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats['loss']}, grad_norm "
+                            f"{float(grad_norm)}); skipped the update ({in_a_row} in a row, "
+                            f"--max-skipped-steps {cfg.max_skipped_steps})", file=sys.stderr)
 
         now = time.perf_counter()
         record = {
@@ -210,9 +232,10 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
             "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
             "tokens": stats["tokens"], "tokens_per_rank": tokens_per_rank(plan, lengths),
             **{k: stats[k] for k in ("pg_loss", "kl", "clipfrac", "entropy") if k in stats},
-            "rollout_digest": rollout.digest(),
+            "rollout_digest": rollout.digest(), "skipped_steps": skipped,
             "tokens_per_second": stats["tokens"] / max(now - t_prev, 1e-9), "elapsed_s": elapsed0 + now - t0,
         }
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         t_prev = now
         if ctx.is_main:
             metrics.write(json.dumps(record) + "\n")
@@ -226,8 +249,13 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
                 checkpointing.save_atomic({
                     "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                     "rng": checkpointing.rng_state(), "warmup": warmup, "elapsed_s": record["elapsed_s"],
+                    "skipped_steps": skipped, "skipped_in_a_row": in_a_row,
                     **({"ref_model": ref.state_dict()} if ref is not None else {}),
                 }, checkpointing.checkpoint_path(out, step))
+        if in_a_row >= cfg.max_skipped_steps:
+            raise TrainingError(f"{in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
+                                "the weights are unchanged since step " f"{step - in_a_row}: lower --lr or "
+                                "check the reward, or raise --max-skipped-steps")
     bar.close()
     if ctx.is_main:
         metrics.close()
@@ -266,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                          device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
     try:
         train(cfg, ctx, ckpt_path)
+    except (ValueError, TrainingError) as err:  # bad checkpoint, bad reward, NaN after NaN: one line, no traceback
+        if ctx.is_main:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     finally:
         parallel.teardown()
     return 0

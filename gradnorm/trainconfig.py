@@ -74,6 +74,9 @@ class TrainConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; the logged grad_norm is the norm before clipping."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradient is NaN or inf is skipped (no optimizer step, a warning, counted
+    as skipped_steps in metrics.jsonl); this many skipped in a row stop the run with an error."""
 
     # ---- supervised warm-up (the stand-in for pretraining)
     warmup_steps: int = 40
@@ -139,7 +142,7 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)} {getattr(self, name)!r}: expected one of {', '.join(choices)}")
         positive = ("steps", "prompts_per_step", "grad_accum_steps", "minibatches_per_rollout", "epochs",
                     "lr", "max_grad_norm", "temperature", "n_layer", "n_head", "n_embd", "cpu_threads",
-                    "eval_prompts", "log_every", "warmup_batch", "warmup_lr", "timeout_s")
+                    "eval_prompts", "log_every", "warmup_batch", "warmup_lr", "timeout_s", "max_skipped_steps")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")

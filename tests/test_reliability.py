@@ -1,0 +1,353 @@
+"""Reliability of the trainer: bad input is one clear line, a crash loses nothing, a run resumes anywhere.
+
+docs/reliability.md is the table of faults, behaviours and the tests that prove them; this file
+holds the tests that the other test files did not already have.
+
+- Bad rewards, NaN losses and empty responses are injected in-process: ``main()`` of
+  gradnorm/train.py runs in this process with one function monkeypatched (the task's reward, the
+  per-token loss, the sampler). No fault-injection flag exists in the trainer itself.
+- Bad checkpoints (missing, truncated, foreign, malicious) go through ``--resume``.
+- The slow tests launch ``torchrun --nproc_per_node=2``: SIGKILL of one rank mid-run, then
+  ``--resume``; and a checkpoint moved between world sizes 2 -> 1 and 1 -> 2.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from gradnorm import checkpointing
+from gradnorm import rollout as rollout_module
+from gradnorm import train as train_module
+from gradnorm.rollout import check_rewards
+from gradnorm.tasks import RepeatTask
+from gradnorm.train import TIMING_KEYS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "2", "--eval-prompts", "2",
+        "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--no-plot", "--seed", "3"]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def comparable(out: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(out)]
+
+
+def run_main(out: Path, *flags: str) -> int:
+    return main([*TINY, "--output-dir", str(out), *flags])
+
+
+def one_error_line(stderr: str, says: str) -> None:
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr
+    assert says in errors[0], stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def assert_finite_weights(path: Path) -> None:
+    state = checkpointing.load(path, required=checkpointing.TRAINER_KEYS)
+    for name, tensor in state["model"].items():
+        assert torch.isfinite(tensor).all(), name
+
+
+# ------------------------------------------------------------------ rewards
+
+
+@pytest.mark.parametrize("rewards, says", [
+    (torch.tensor([0.5, float("nan"), 0.1, 0.0]), "non-finite reward"),
+    (torch.tensor([0.5, float("inf"), 0.1, 0.0]), "non-finite reward"),
+    (torch.tensor([0.5, 0.1, float("-inf"), 0.0]), "non-finite reward"),
+    (torch.zeros(3), "shape (3,), expected (4,)"),
+    (torch.zeros(4, 1), "shape (4, 1), expected (4,)"),
+    ([0.5, 0.1, 0.1, 0.0], "returned list, expected a tensor"),
+])
+def test_a_bad_reward_is_a_one_line_error(rewards, says):
+    with pytest.raises(ValueError, match="fix the task's reward") as err:
+        check_rewards(rewards, 4)
+    assert says in str(err.value) and "\n" not in str(err.value)
+    assert check_rewards(torch.tensor([0.0, 1.0, 0.5, 0.25]), 4).dtype == torch.float32
+
+
+def test_the_trainer_stops_on_a_nan_reward_with_one_line(tmp_path, monkeypatch, capsys):
+    honest = RepeatTask.reward
+
+    def nan_reward(self, responses, answers):
+        r = honest(self, responses, answers)
+        r[0] = float("nan")
+        return r
+
+    monkeypatch.setattr(RepeatTask, "reward", nan_reward)
+    assert run_main(tmp_path / "run", "--steps", "2") != 0
+    one_error_line(capsys.readouterr().err, "non-finite reward")
+
+
+# ------------------------------------------------------------------ NaN loss or gradient
+
+
+def poison_losses(monkeypatch, bad_steps):
+    """Make the per-token loss NaN on the given steps (one microbatch per step with W = A = 1)."""
+    honest, calls = train_module.grpo_token_losses, []
+
+    def poisoned(*args, **kwargs):
+        calls.append(None)
+        terms = honest(*args, **kwargs)
+        if bad_steps is None or len(calls) in bad_steps:
+            terms.loss = terms.loss * float("nan")
+        return terms
+
+    monkeypatch.setattr(train_module, "grpo_token_losses", poisoned)
+
+
+def test_a_nan_loss_skips_the_update_warns_and_is_counted(tmp_path, monkeypatch, capsys):
+    poison_losses(monkeypatch, {2})
+    out = tmp_path / "run"
+    assert run_main(out, "--steps", "4", "--save-every", "1") == 0
+    err = capsys.readouterr().err
+    assert "warning: step 2: non-finite loss or gradient" in err and "Traceback" not in err
+    rows = metrics(out)
+    assert [m["skipped_steps"] for m in rows] == [0, 1, 1, 1]
+    assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None  # logged as null, never NaN
+    assert all(isinstance(m["grad_norm"], float) for m in rows if m["step"] != 2)
+    step1, step2 = (checkpointing.load(out / f"ckpt_step{s}.pt") for s in (1, 2))
+    for name, tensor in step1["model"].items():  # the skipped step left the weights as they were
+        assert torch.equal(tensor, step2["model"][name]), name
+    assert_finite_weights(out / "ckpt_step4.pt")
+
+
+def test_too_many_nan_steps_in_a_row_stop_the_run_with_one_line(tmp_path, monkeypatch, capsys):
+    poison_losses(monkeypatch, None)
+    out = tmp_path / "run"
+    assert run_main(out, "--steps", "6", "--save-every", "1", "--max-skipped-steps", "2") == 1
+    one_error_line(capsys.readouterr().err, "2 steps in a row had a non-finite loss or gradient")
+    assert [m["skipped_steps"] for m in metrics(out)] == [1, 2]
+    assert_finite_weights(out / "ckpt_step1.pt")
+
+
+# ------------------------------------------------------------------ empty responses
+
+
+def test_responses_that_are_only_eos_train_with_finite_metrics(tmp_path, monkeypatch):
+    """Every sampled response is EOS at once: 1 token each, equal rewards, zero advantages."""
+
+    def eos_first(model, prompts, max_new_tokens, eos_id, pad_id, **kwargs):
+        response = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long, device=prompts.device)
+        response[:, 0] = eos_id
+        return torch.cat([prompts, response], dim=1)
+
+    monkeypatch.setattr(rollout_module, "generate", eos_first)
+    out = tmp_path / "run"
+    assert run_main(out, "--steps", "2", "--grad-accum-steps", "2", "--shard", "length") == 0
+    for m in metrics(out):
+        assert m["response_len_max"] == 1 and m["tokens"] == 4 and m["skipped_steps"] == 0
+        assert all(v is not None for v in m.values()), m
+        assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
+    assert_finite_weights(out / "ckpt_step2.pt")
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+class Evil:
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good")
+    assert run_main(out, "--steps", "2") == 0
+    return out / "ckpt_step2.pt"
+
+
+def bad_checkpoint(kind, directory: Path, good: Path, target: Path) -> None:
+    path = directory / "ckpt_step9.pt"
+    if kind == "truncated":
+        data = good.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "foreign":
+        torch.save({"weights": torch.zeros(3)}, path)
+    elif kind == "not-torch":
+        path.write_text("this is not a checkpoint\n")
+    elif kind == "malicious-pickle":
+        path.write_bytes(pickle.dumps(Evil(target)))
+    elif kind == "malicious-torch":
+        torch.save({"model": Evil(target)}, path)
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("missing", "no checkpoint ckpt_step*.pt in"),
+    ("truncated", "is truncated or corrupt"),
+    ("not-torch", "is truncated or corrupt"),
+    ("foreign", "is not a gradnorm trainer checkpoint (missing model, optimizer"),
+    ("malicious-pickle", "refused by the safe unpickler"),
+    ("malicious-torch", "refused by the safe unpickler"),
+])
+def test_a_bad_checkpoint_is_one_line_and_never_executed(kind, says, tmp_path, good_checkpoint, capsys):
+    out, target = tmp_path / "run", tmp_path / "PWNED"
+    out.mkdir()
+    bad_checkpoint(kind, out, good_checkpoint, target)
+    assert run_main(out, "--steps", "10", "--resume") != 0
+    one_error_line(capsys.readouterr().err, says)
+    assert not target.exists()  # the pickle's os.system never ran
+
+
+def test_a_checkpoint_of_another_model_names_the_flags(tmp_path, good_checkpoint, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(good_checkpoint, out / "ckpt_step2.pt")
+    assert main([*TINY, "--n-embd", "32", "--output-dir", str(out), "--steps", "4", "--resume"]) != 0
+    one_error_line(capsys.readouterr().err, "holds a different model")
+
+
+def test_the_cli_prints_one_line_for_a_malicious_checkpoint(tmp_path, good_checkpoint):
+    """The same through ``python gradnorm/train.py``: exit code, one line, no traceback, nothing run."""
+    out, target = tmp_path / "run", tmp_path / "PWNED"
+    out.mkdir()
+    bad_checkpoint("malicious-pickle", out, good_checkpoint, target)
+    proc = subprocess.run([sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(out), "--resume"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "refused by the safe unpickler" in proc.stderr
+    assert not target.exists()
+
+
+def test_every_torch_load_in_the_package_uses_weights_only():
+    for path in (ROOT / "gradnorm").glob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, f"{path.name}:{number}: {line.strip()}"
+            assert "pickle.load" not in line, f"{path.name}:{number}: {line.strip()}"
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def test_two_runs_with_the_same_seed_write_identical_metrics(tmp_path):
+    assert run_main(tmp_path / "a", "--steps", "3") == 0
+    assert run_main(tmp_path / "b", "--steps", "3") == 0
+    assert comparable(tmp_path / "a") == comparable(tmp_path / "b")
+    assert run_main(tmp_path / "c", "--steps", "3", "--seed", "4") == 0  # and the seed matters
+    assert comparable(tmp_path / "c") != comparable(tmp_path / "a")
+
+
+# ------------------------------------------------------------------ multi-process: crash and world size
+
+
+def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
+
+
+def torchrun(nproc: int, out: Path, *flags: str) -> None:
+    cmd = torchrun_cmd(nproc, out, *flags)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+
+
+def single(out: Path, *flags: str) -> None:
+    cmd = [sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+
+
+CRASH_FLAGS = ["--steps", "160", "--save-every", "20", "--timeout-s", "10"]
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    crashed, full = tmp_path / "crashed", tmp_path / "full"
+    job = subprocess.Popen(torchrun_cmd(2, crashed, *CRASH_FLAGS), cwd=ROOT, env=ENV, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (crashed / "ckpt_step40.pt").exists():
+            assert job.poll() is None and time.monotonic() < deadline, "the run ended before its 2nd checkpoint"
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
+                   if "gradnorm/train.py" in " ".join(p.cmdline())]
+        victim = next(p for p in workers if p.environ().get("LOCAL_RANK") == "1")
+        killed_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        output, _ = job.communicate(timeout=60)
+        exit_s = time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode != 0, output
+    assert exit_s < 60
+    print(f"torchrun exited {job.returncode} {exit_s:.1f} s after the SIGKILL")
+    latest = checkpointing.latest_checkpoint(crashed)
+    assert latest is not None and not list(crashed.glob(".ckpt_step*.tmp"))  # no torn write left behind
+    assert_finite_weights(latest)  # loads with weights_only=True and has every trainer key
+    assert len(metrics(crashed)) < 160
+
+    torchrun(2, crashed, *CRASH_FLAGS, "--resume")
+    torchrun(2, full, *CRASH_FLAGS)
+    assert [m["step"] for m in comparable(crashed)] == list(range(1, 161))
+    assert comparable(crashed) == comparable(full)
+
+
+MEANINGFUL = ("loss", "grad_norm", "reward_mean", "exact_match", "response_len_mean", "response_len_max", "tokens",
+              "pg_loss", "entropy", "skipped_steps", "rollout_digest")
+
+
+def assert_same_steps(resumed: Path, reference: Path, steps=(3, 4)) -> None:
+    got = {m["step"]: m for m in metrics(resumed)}
+    want = {m["step"]: m for m in metrics(reference)}
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in steps:
+        for key in MEANINGFUL:
+            if isinstance(want[step][key], float):
+                assert_close(got[step][key], want[step][key], rtol=1e-5, atol=1e-7, msg=f"step {step} {key}")
+            else:
+                assert got[step][key] == want[step][key], (step, key)
+
+
+@pytest.mark.slow
+def test_a_token_run_resumes_on_another_world_size(tmp_path):
+    flags = ["--steps", "4", "--save-every", "2", "--loss-denominator", "token"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    torchrun(2, two, *flags)
+    single(one, *flags)
+    # 2 -> 1: the 2-rank run's step-2 checkpoint, continued by one plain process.
+    two_to_one = tmp_path / "two_to_one"
+    shutil.copytree(two, two_to_one)
+    (two_to_one / "ckpt_step4.pt").unlink()
+    single(two_to_one, *flags, "--resume")
+    assert_same_steps(two_to_one, two)
+    # 1 -> 2: the single process's step-2 checkpoint, continued on 2 ranks.
+    one_to_two = tmp_path / "one_to_two"
+    shutil.copytree(one, one_to_two)
+    (one_to_two / "ckpt_step4.pt").unlink()
+    torchrun(2, one_to_two, *flags, "--resume")
+    assert_same_steps(one_to_two, one)
+    assert [len(m["tokens_per_rank"]) for m in metrics(one_to_two)] == [1, 1, 2, 2]
+
+
+def test_the_only_server_the_tests_start_binds_to_localhost_and_needs_a_token():
+    """JupyterLab in tests/test_browser.py (the ``lab`` fixture) is the one server; nothing binds 0.0.0.0."""
+    browser = (ROOT / "tests" / "test_browser.py").read_text()
+    assert '"--ServerApp.ip=127.0.0.1"' in browser and 'f"--ServerApp.token={token}"' in browser
+    assert "secrets.token_hex" in browser
+    wildcard = "0.0.0" + ".0"
+    for path in [*(ROOT / "gradnorm").glob("*.py"), *(ROOT / "tests").glob("*.py")]:
+        assert wildcard not in path.read_text(), path
