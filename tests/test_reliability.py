@@ -344,7 +344,7 @@ def test_a_token_run_resumes_on_another_world_size(tmp_path):
 
 
 def test_the_only_server_the_tests_start_binds_to_localhost_and_needs_a_token():
-    """JupyterLab in tests/test_browser.py (the ``lab`` fixture) is the one server; nothing binds 0.0.0.0."""
+    """JupyterLab in tests/test_browser.py (the ``lab`` fixture) is the one server; nothing binds the wildcard address."""
     browser = (ROOT / "tests" / "test_browser.py").read_text()
     assert '"--ServerApp.ip=127.0.0.1"' in browser and 'f"--ServerApp.token={token}"' in browser
     assert "secrets.token_hex" in browser
