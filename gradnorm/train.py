@@ -139,7 +139,8 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
     torch.manual_seed(cfg.seed)
     model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd)).to(ctx.device)
     if ckpt_path is not None:
-        state = checkpointing.load(ckpt_path, map_location=ctx.device, required=checkpointing.TRAINER_KEYS)
+        # on the CPU: RNG states must stay CPU tensors; load_state_dict copies the rest to the device
+        state = checkpointing.load(ckpt_path, required=checkpointing.TRAINER_KEYS)
         try:
             model.load_state_dict(state["model"])
         except RuntimeError as err:
