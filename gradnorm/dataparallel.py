@@ -112,14 +112,14 @@ def flat_grad(model: nn.Module) -> Tensor:
     return torch.cat([full_tensor(p.grad).reshape(-1) for p in model.parameters()])
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm in place; return the norm before clipping, as a float.
+def clip_grad_norm(model: nn.Module, max_norm: float) -> Tensor:
+    """Clip the global gradient norm in place; return the norm before clipping, a 0-d tensor.
 
     Under FSDP2 the gradients are shards and ``clip_grad_norm_`` returns a DTensor norm that
-    already covers all shards; ``full_tensor`` makes it a number every rank agrees on.
+    already covers all shards; ``full_tensor`` makes it a plain value every rank agrees on.
     """
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(full_tensor(norm))
+    return full_tensor(norm)
 
 
 @contextmanager

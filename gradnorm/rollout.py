@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from gradnorm import hfmodels
 from gradnorm.grpo import group_advantages
 from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import generate
@@ -33,6 +34,11 @@ def seeded_generator(seed: int, *keys: object, device: torch.device | str = "cpu
     """
     digest = hashlib.sha256(repr((seed, *keys)).encode()).digest()
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def sampler_for(model: nn.Module):
+    """TinyGPT's ``generate``, or its Hugging Face twin (same signature) for a transformers model."""
+    return hfmodels.generate if hfmodels.is_hf_model(model) else generate
 
 
 def response_mask(responses: Tensor, eos_id: int) -> Tensor:
@@ -133,7 +139,7 @@ def generate_rollout(
     prompts, answers = task.sample_prompts(num_prompts, seeded_generator(seed, "prompts", step))
     prompts = prompts.repeat_interleave(group_size, dim=0).to(device)  # (S, P), groups consecutive
     answers = [a for a in answers for _ in range(group_size)]
-    tokens = generate(
+    tokens = sampler_for(model)(
         model, prompts, task.max_new_tokens, task.tokenizer.eos_id, task.tokenizer.pad_id,
         temperature=temperature, generator=seeded_generator(seed, "sample", step, device=device),
     )  # (S, P + max_new_tokens)
@@ -157,7 +163,7 @@ def sampled_reward(model: nn.Module, task: RepeatTask, num_prompts: int, tempera
     model.eval()
     device = next(model.parameters()).device
     prompts, answers = task.sample_prompts(num_prompts, seeded_generator(seed, "eval-prompts"))
-    tokens = generate(
+    tokens = sampler_for(model)(
         model, prompts.to(device), task.max_new_tokens, task.tokenizer.eos_id, task.tokenizer.pad_id,
         temperature=temperature, generator=seeded_generator(seed, "eval-sample", device=device),
     )

@@ -13,6 +13,9 @@ Run it from the repository root (after ``make install`` or ``pip install -e .``)
     torchrun --standalone --nproc_per_node=2 gradnorm/train.py --resume
     # on GPUs the backend is NCCL automatically (override with --backend, --device)
     torchrun --standalone --nproc_per_node=8 gradnorm/train.py
+    # a Hugging Face model on a JSONL prompt file (pip install -e '.[hf]'; bf16 on CUDA), FSDP2
+    torchrun --standalone --nproc_per_node=8 gradnorm/train.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --prompts examples/arithmetic.jsonl --parallel fsdp --max-new-tokens 128 --lr 1e-6
 
 ``--help`` documents every flag (they come from ``gradnorm.trainconfig.TrainConfig``). Rank 0
 alone prints and writes ``output-dir/``: ``config.json``, ``metrics.jsonl`` (one JSON object per
@@ -59,6 +62,7 @@ Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -73,11 +77,11 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from gradnorm import checkpointing, parallel
+from gradnorm import checkpointing, dataparallel, hfmodels, parallel
 from gradnorm.grpo import finalize_stats, grpo_token_losses
+from gradnorm.prompts import PromptTask
 from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
 from gradnorm.sharding import make_plan, tokens_per_rank
 from gradnorm.tasks import RepeatTask
@@ -89,8 +93,8 @@ class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. too many non-finite steps in a row); main prints it in one line."""
 
 
-TIMING_KEYS = ("tokens_per_second", "elapsed_s")
-"""Metrics that measure wall time: everything else in metrics.jsonl is a function of the config."""
+TIMING_KEYS = ("tokens_per_second", "elapsed_s", "max_memory_gib")
+"""Measured metrics (wall time; CUDA memory): everything else in metrics.jsonl is a function of the config."""
 
 
 def warm_up(model: TinyGPT, task: RepeatTask, cfg: TrainConfig) -> None:
@@ -131,13 +135,36 @@ def open_metrics(path: Path, keep_through_step: int):
     return open(path, "a")
 
 
+def build_policy(cfg: TrainConfig, device: torch.device):
+    """(task, model, score): the built-in task and TinyGPT, or JSONL prompts and a Hugging Face model.
+
+    ``score(model, tokens, P)`` is the model's ``response_logprobs``; the rollout picks the
+    matching sampler itself (``rollout.sampler_for``).
+    """
+    if cfg.builtin:
+        task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
+        torch.manual_seed(cfg.seed)
+        model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd))
+        return task, model.to(device), response_logprobs
+    tokenizer = hfmodels.load_tokenizer(cfg.model)
+    task = PromptTask.from_file(cfg.prompts, tokenizer, cfg.reward, cfg.max_new_tokens)
+    model = hfmodels.load_causal_lm(cfg.model, task.tokenizer.pad_id, device=device,
+                                    gradient_checkpointing=cfg.gradient_checkpointing)
+    return task, model.train(), hfmodels.response_logprobs
+
+
 def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -> None:
     W, A, U = ctx.world_size, cfg.grad_accum_steps, cfg.updates_per_rollout
     out = Path(cfg.output_dir)
-    task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
+    task, model, score = build_policy(cfg, ctx.device)
     P = task.prompt_len
-    torch.manual_seed(cfg.seed)
-    model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd)).to(ctx.device)
+    # bf16 autocast around every forward pass (never the backward); log-softmax, loss weights and
+    # statistics stay fp32/fp64 and counts int64 inside it, so the normalization is unchanged.
+    amp_dtype = cfg.autocast_dtype(ctx.device.type)
+
+    def autocast():
+        return contextlib.nullcontext() if amp_dtype is None else torch.autocast(ctx.device.type, dtype=amp_dtype)
+
     if ckpt_path is not None:
         # on the CPU: RNG states must stay CPU tensors; load_state_dict copies the rest to the device
         state = checkpointing.load(ckpt_path, required=checkpointing.TRAINER_KEYS)
@@ -145,28 +172,33 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
             model.load_state_dict(state["model"])
         except RuntimeError as err:
             raise ValueError(f"checkpoint {ckpt_path} holds a different model ({(str(err).splitlines() + [''])[1].strip()[:120]}); "
-                             "resume with the --n-layer/--n-head/--n-embd it was trained with") from None
+                             "resume with the --model (--n-layer/--n-head/--n-embd) it was trained with") from None
         start, warmup, elapsed0 = state["step"], state["warmup"], state["elapsed_s"]
         skipped, in_a_row = state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0)
     else:
         start, elapsed0, t = 0, 0.0, time.perf_counter()
         skipped = in_a_row = 0  # steps skipped for a non-finite loss or gradient: in all, and in a row
-        before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-        warm_up(model, task, cfg)
-        after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-        warmup = {"steps": cfg.warmup_steps, "reward_before": before, "reward_after": after,
-                  "seconds": time.perf_counter() - t}
-        parallel.print0(f"warm-up: {cfg.warmup_steps} supervised steps, sampled reward {before:.3f} -> {after:.3f}")
+        with autocast():
+            before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
+        if cfg.builtin:  # a Hugging Face model starts from its own (pretrained) weights
+            warm_up(model, task, cfg)
+            with autocast():
+                after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
+        warmup = {"steps": cfg.warmup_steps if cfg.builtin else 0, "reward_before": before,
+                  "reward_after": after if cfg.builtin else before, "seconds": time.perf_counter() - t}
+        parallel.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward "
+                        f"{before:.3f} -> {warmup['reward_after']:.3f}")
     ref = None
     if cfg.beta > 0:  # the frozen reference: the policy after warm-up
         ref = copy.deepcopy(model).requires_grad_(False).eval()
         if ckpt_path is not None:
             ref.load_state_dict(state["ref_model"])
-    ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None) \
-        if ctx.backend else model
+    # DDP wraps the model; FSDP2 shards it in place (then ddp is model, and sampling goes through
+    # the sharded module on every rank in lockstep). Both average gradients over W.
+    ddp = dataparallel.wrap_policy(model, cfg.parallel, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if ckpt_path is not None:
-        opt.load_state_dict(state["optimizer"])
+        dataparallel.load_optimizer_state(model, opt, state["optimizer"])
         checkpointing.set_rng_state(state["rng"])
         parallel.print0(f"resumed from {ckpt_path} at step {start}")
 
@@ -186,12 +218,13 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
     for step in range(start + 1, cfg.steps + 1):
         j = (step - 1) % U  # which update of the current rollout batch this is
         if j == 0 or rollout is None:
-            rollout = generate_rollout(model, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
-                                       group_size=cfg.group_size, seed=cfg.seed, step=step - j,
-                                       temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std)
-            with torch.no_grad():  # log-probs of the sampling policy, needed once samples are reused
-                old_logp = response_logprobs(model, rollout.tokens, P)[0] if U > 1 else None
-                ref_logp = response_logprobs(ref, rollout.tokens, P)[0] if ref is not None else None
+            with dataparallel.gathered_for_sampling(model) as sampler, autocast():
+                rollout = generate_rollout(sampler, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
+                                           group_size=cfg.group_size, seed=cfg.seed, step=step - j,
+                                           temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std)
+            with torch.no_grad(), autocast():  # log-probs of the sampling policy, needed once samples are reused
+                old_logp = score(model, rollout.tokens, P)[0] if U > 1 else None
+                ref_logp = score(ref, rollout.tokens, P)[0] if ref is not None else None
         mb_index = j % cfg.minibatches_per_rollout
         mb = rollout.groups(mb_index * cfg.prompts_per_step, cfg.prompts_per_step)
         rows = slice(mb_index * cfg.sequences_per_step, (mb_index + 1) * cfg.sequences_per_step)
@@ -200,8 +233,9 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
         lengths = mb.lengths.cpu()
         plan = make_plan(cfg.shard, lengths, W, A)
 
-        def token_losses(idx):  # the forward pass of one microbatch, through DDP
-            logp, entropy = response_logprobs(ddp, mb.tokens[idx], P)
+        def token_losses(idx):  # the forward pass of one microbatch, through DDP or FSDP
+            with autocast():
+                logp, entropy = score(ddp, mb.tokens[idx], P)  # fp32 even under autocast
             return grpo_token_losses(
                 logp, logp.detach() if mb_old is None else mb_old[idx], mb.advantages[idx],
                 ref_logp=None if mb_ref is None else mb_ref[idx], beta=cfg.beta, clip_low=cfg.clip_low,
@@ -211,7 +245,7 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
         opt.zero_grad(set_to_none=True)
         _, sums = accumulate_gradients(ddp, plan[ctx.rank], mb.mask, mb.group_ids, mb.num_groups,
                                        cfg.denominator, token_losses, W)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        grad_norm = dataparallel.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
         stats = finalize_stats(parallel.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
         # grad_norm (after DDP's all-reduce) and the stats (all-reduced) are the same on every rank,
         # so every rank takes the same decision without another collective. NaN never reaches the weights.
@@ -235,6 +269,7 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
             **{k: stats[k] for k in ("pg_loss", "kl", "clipfrac", "entropy") if k in stats},
             "rollout_digest": rollout.digest(), "skipped_steps": skipped,
             "tokens_per_second": stats["tokens"] / max(now - t_prev, 1e-9), "elapsed_s": elapsed0 + now - t0,
+            **({"max_memory_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30} if ctx.device.type == "cuda" else {}),
         }
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         t_prev = now
@@ -246,9 +281,12 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
             if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
                 print(f"step {step}/{cfg.steps} reward {record['reward_mean']:.3f} loss {record['loss']:.4f} "
                       f"grad_norm {record['grad_norm']:.4f} tokens/s {record['tokens_per_second']:.0f}", flush=True)
-            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            # Under FSDP every rank must take part in gathering the full state; rank 0 writes it.
+            model_state, opt_state = dataparallel.full_state_dict(model), dataparallel.optimizer_state(model, opt)
+            if ctx.is_main:
                 checkpointing.save_atomic({
-                    "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                    "model": model_state, "optimizer": opt_state, "step": step,
                     "rng": checkpointing.rng_state(), "warmup": warmup, "elapsed_s": record["elapsed_s"],
                     "skipped_steps": skipped, "skipped_in_a_row": in_a_row,
                     **({"ref_model": ref.state_dict()} if ref is not None else {}),

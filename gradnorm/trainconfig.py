@@ -10,22 +10,26 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import sys
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
 
 from gradnorm.denominators import Denominator, parse_denominator
 from gradnorm.grpo import KL_ESTIMATORS
+from gradnorm.prompts import get_reward, load_prompts
 from gradnorm.sharding import check_divisible
 
 
 @dataclass
 class TrainConfig:
-    """GRPO on the built-in repeat-a-letter task with a tiny transformer."""
+    """GRPO on the built-in repeat-a-letter task with a tiny transformer, or on JSONL prompts with a
+    Hugging Face causal LM (--model)."""
 
     # ---- the normalization under study
     loss_denominator: str = "token"
@@ -80,7 +84,8 @@ class TrainConfig:
 
     # ---- supervised warm-up (the stand-in for pretraining)
     warmup_steps: int = 40
-    """Steps of next-token training on the task's demonstrations before GRPO; 0 skips it."""
+    """Steps of next-token training on the task's demonstrations before GRPO; 0 skips it
+    (built-in model only: a Hugging Face --model starts from its own weights)."""
     warmup_batch: int = 32
     """Demonstrations per warm-up step."""
     warmup_lr: float = 3e-3
@@ -89,12 +94,34 @@ class TrainConfig:
     """Prompts sampled to report the reward before and after the warm-up."""
 
     # ---- model
+    model: str = "tiny"
+    """tiny: the built-in TinyGPT on the repeat-a-letter task (sized by the three flags below).
+    Anything else is a Hugging Face causal LM, a Hub name or a local directory (pip install -e
+    '.[hf]'), trained on --prompts from its own weights (no warm-up)."""
     n_layer: int = 2
-    """Transformer blocks."""
+    """Transformer blocks (tiny)."""
     n_head: int = 4
-    """Attention heads per block."""
+    """Attention heads per block (tiny)."""
     n_embd: int = 64
-    """Width of the residual stream."""
+    """Width of the residual stream (tiny)."""
+
+    # ---- real models (a Hugging Face --model)
+    prompts: str = "examples/arithmetic.jsonl"
+    """JSONL file, one {"prompt": ..., "answer": ...} per line; prompts go through the tokenizer's
+    chat template when it has one."""
+    reward: str = "exact_match_math"
+    """Reward of a response to --prompts: exact_match_math (the last \\boxed{} value, else the last
+    number, equal to the answer: 1, else 0) or any package.module:function(response, answer)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
+    state per transformer block (FSDP2), for models that do not fit DDP. Both average gradients
+    over ranks, which the loss weights undo in the same one place."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU. bf16 is autocast: matmuls in bfloat16; weights, gradients,
+    log-softmax and loss weights stay fp32 and token counts int64, so the normalization is exact."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (Hugging Face models): less memory,
+    about a third more compute."""
 
     # ---- run
     seed: int = 0
@@ -130,6 +157,16 @@ class TrainConfig:
         return self.minibatches_per_rollout * self.epochs
 
     @property
+    def builtin(self) -> bool:
+        """Derived: whether the model is the built-in TinyGPT on the built-in task."""
+        return self.model == "tiny"
+
+    def autocast_dtype(self, device_type: str) -> torch.dtype | None:
+        """Derived: bfloat16 when bf16 autocast is on for ``device_type``, else None (fp32)."""
+        bf16 = self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+        return torch.bfloat16 if bf16 else None
+
+    @property
     def denominator(self) -> Denominator:
         """Derived: loss-denominator parsed into a mode name or a float C."""
         return parse_denominator(self.loss_denominator)
@@ -153,8 +190,14 @@ class TrainConfig:
             raise ValueError(f"--group-size must be >= 2 (advantages compare completions of a prompt), got {self.group_size}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-head {self.n_head} must divide --n-embd {self.n_embd}")
-        if self.max_new_tokens < 17:
+        if self.builtin and self.max_new_tokens < 17:
             raise ValueError(f"--max-new-tokens must be >= 17 (16 letters + EOS), got {self.max_new_tokens}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.builtin and self.gradient_checkpointing:
+            raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
+        if not self.builtin:
+            _check_real_model_inputs(self.model, self.prompts, self.reward)
         check_divisible(self.sequences_per_step, world_size, self.grad_accum_steps)
         k = self.updates_per_rollout
         if self.steps % k or self.save_every % k:
@@ -167,6 +210,20 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_real_model_inputs(model: str, prompts: str, reward: str) -> None:
+    # Before any process group or model exists: transformers, a local model directory, the
+    # prompts file and the reward (a Hub name is only checked when it loads).
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("a Hugging Face --model needs transformers: pip install -e '.[hf]'")
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        raise ValueError(f"--model {model}: no such directory (a local model is a save_pretrained directory)")
+    try:
+        load_prompts(prompts)
+    except FileNotFoundError as err:
+        raise ValueError(f"--prompts: {err}") from None
+    get_reward(reward)
 
 
 # ------------------------------------------------------------------ the CLI, generated from the fields
