@@ -43,3 +43,18 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def chromium_executable():
     return str(CHROMIUM)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module, restored afterwards.
+
+    The gradients in the analysis, widget and figure tests are tiny; on a busy 2-core machine a
+    second thread makes them an order of magnitude slower.
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

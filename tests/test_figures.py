@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from numpy.testing import assert_allclose
 
 pytest.importorskip("matplotlib")
@@ -18,14 +17,7 @@ pytest.importorskip("ipywidgets")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # The gradients here are tiny; on a busy 2-core machine a second intra-op thread makes them
-    # an order of magnitude slower. Restored afterwards for the other test modules.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ only has to change.
 
 import numpy as np
 import pytest
-import torch
 from numpy.testing import assert_allclose
 
 pytest.importorskip("ipywidgets")
@@ -18,14 +17,7 @@ from gradnorm import analysis, widgets  # noqa: E402
 from gradnorm.widgets import bar_heights  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # The gradients here are tiny; on a busy 2-core machine a second intra-op thread makes them
-    # an order of magnitude slower. Restored afterwards for the other test modules.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def test_token_imbalance_explorer_defaults():
