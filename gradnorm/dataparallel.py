@@ -182,8 +182,18 @@ def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Load what ``optimizer_state`` saved; under FSDP2 every rank keeps its own shard of it."""
+    """Load what ``optimizer_state`` saved; under FSDP2 every rank keeps its own shard of it.
+
+    The two formats differ (parameters by index, or by name under FSDP2), so a checkpoint resumes
+    under the --parallel it was written with; the other one is a one-line ValueError.
+    """
     inner = unwrap(model)
+    groups = state.get("param_groups") or [{}]
+    by_name = any(isinstance(p, str) for p in groups[0].get("params", []))
+    if by_name != is_fsdp(inner):
+        written, now = ("fsdp", "ddp") if by_name else ("ddp", "fsdp")
+        raise ValueError(f"this checkpoint's optimizer state was written with --parallel {written}; "
+                         f"resume it with --parallel {written}, not {now}")
     if not is_fsdp(inner):
         opt.load_state_dict(state)
         return
