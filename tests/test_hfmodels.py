@@ -33,15 +33,7 @@ from gradnorm.prompts import PromptTask  # noqa: E402
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.jsonl"
 
 BUILDERS = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only spin-wait on each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
