@@ -97,8 +97,11 @@ def load_causal_lm(
         raise ValueError(f"--model {name_or_path!r}: cannot load it ({str(e).splitlines()[0]})") from None
     model.config.pad_token_id = pad_id
     model.config.use_cache = False  # training passes never need a cache; sampling asks for one
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing:  # renamed activation checkpointing in transformers 5 (the old name warns)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device=device, dtype=dtype)
 
 

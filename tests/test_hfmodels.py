@@ -109,3 +109,18 @@ def test_missing_transformers_gives_one_line_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"^Hugging Face models need transformers: pip install -e '\.\[hf\]'$"):
         require_transformers()
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(policy, tmp_path):
+    model, task = policy
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    checkpointed = load_causal_lm(str(path), pad_id=task.tokenizer.pad_id, gradient_checkpointing=True).train()
+    plain = load_causal_lm(str(path), pad_id=task.tokenizer.pad_id).train()
+    tokens = sample(model, task, 5)
+    grads = []
+    for m in (plain, checkpointed):
+        response_logprobs(m, tokens, task.prompt_len)[0].sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
+    assert getattr(checkpointed, "is_activation_checkpointing", None) or checkpointed.is_gradient_checkpointing
+    assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
