@@ -21,7 +21,6 @@ from typing import Literal, get_args, get_origin, get_type_hints
 import torch
 
 from gradnorm.denominators import Denominator, parse_denominator
-from gradnorm.grpo import KL_ESTIMATORS
 from gradnorm.prompts import get_reward, load_prompts
 from gradnorm.sharding import check_divisible
 
