@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "torch": torch.__version__, "python": platform.python_version()},
                     "setup": asdict(base), "rounds": rounds}
 
-    print(f"[1/3] normalization overhead on 2 gloo ranks ({rounds} interleaved rounds)...", flush=True)
+    print(f"[1/4] normalization overhead on 2 gloo ranks ({rounds} interleaved rounds)...", flush=True)
     sizes = [("len16", StepSetup(max_response=16)), ("len32", base), ("len64", StepSetup(max_response=64)),
              ("len128", StepSetup(max_response=128)), ("width128", StepSetup(n_embd=128)),
              ("width256", StepSetup(n_embd=256))]
