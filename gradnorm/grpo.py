@@ -87,10 +87,15 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor
     return fn(ref_logp - logp)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """H = -sum_v p_v log p_v per position, (..., V) -> (...), computed in float32 or wider."""
-    logp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, dim=-1)
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """H = -sum_v p_v log p_v per position, from log-probabilities (..., V) -> (...)."""
     return -(logp.exp() * logp).sum(-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """H per position from logits (..., V) -> (...), computed in float32 or wider."""
+    low_precision = logits.dtype in (torch.float16, torch.bfloat16)
+    return entropy_from_logprobs(torch.log_softmax(logits.float() if low_precision else logits, dim=-1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gradnorm.grpo import entropy_from_logprobs
+
 
 @dataclass
 class GPTConfig:
@@ -249,7 +251,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> t
     """
     logp_all = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (B, T)
+    entropy = entropy_from_logprobs(logp_all)  # (B, T), reusing the one log_softmax
     return logp, entropy
 
 
