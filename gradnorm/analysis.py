@@ -2,7 +2,7 @@
 
 Every view of the bug is built from the library's own arithmetic, never re-derived here:
 per-token weights come from ``simulate.effective_weights``, gradients from
-``simulate.simulated_gradient`` on ``equivalence``'s policy and GRPO minibatch, advantages from
+``simulate.simulated_gradient`` on ``toy``'s policy and GRPO minibatch, advantages from
 ``grpo.group_advantages``. Modes are named by strings everywhere in this module:
 
     "local", "token", "sequence", "group"   the modes of ``gradnorm.denominators``
@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gradnorm.denominators import Denominator
-from gradnorm.equivalence import Case, Problem, token_logp, make_policy, make_problem, run_ddp, token_losses
+from gradnorm.dist.harness import Case, run_ddp
+from gradnorm.toy import Problem, make_policy, make_problem, token_logp, token_losses
 from gradnorm.grpo import group_advantages
 from gradnorm.sharding import Plan, contiguous, make_plan
 from gradnorm.simulate import effective_weights, simulated_gradient
@@ -251,7 +252,7 @@ def share_sweep(
 # 2. Real gradients: a policy, a ragged GRPO minibatch, every mode against the full batch
 # ---------------------------------------------------------------------------------------------
 
-MAX_LEN = 12  # equivalence.run_ddp's workers build make_problem with its default max_len = 12
+MAX_LEN = 12  # harness.run_ddp's workers build make_problem with its default max_len = 12
 GROUP_SIZE = 4  # ... and its default group size
 
 
@@ -280,9 +281,9 @@ def sft_token_losses(policy: torch.nn.Module, problem: Problem, idx: Tensor) -> 
 def policy_gradient(
     lengths: Sequence[int], mode: str, plan: Plan | None = None, seed: int = 0, loss: str = "grpo"
 ) -> Tensor:
-    """The flat gradient of one optimizer step of ``equivalence``'s policy on its minibatch.
+    """The flat gradient of one optimizer step of ``toy``'s policy on its minibatch.
 
-    ``loss="grpo"``: GRPO's per-token loss (``equivalence.token_losses``); ``loss="sft"``: the
+    ``loss="grpo"``: GRPO's per-token loss (``toy.token_losses``); ``loss="sft"``: the
     cross-entropy of the same tokens (``sft_token_losses``). ``plan=None`` is the full batch: one
     rank, one microbatch. The minibatch has the response ``lengths``; everything else about it
     (tokens, rewards, old and reference log-probs) is fixed by the seed, so only the lengths
@@ -375,7 +376,7 @@ def ddp_check(
 ) -> list[DdpCheck]:
     """Run one optimizer step per mode on ``world_size`` real gloo processes (DDP, accumulation).
 
-    Spawns the processes once (``equivalence.run_ddp``, about 10 s on 2 cores) and returns, per
+    Spawns the processes once (``harness.run_ddp``, about 10 s on 2 cores) and returns, per
     mode, how far the real gradient is from the simulation and from the full-batch gradient.
     """
     lengths = tuple(int(x) for x in lengths)

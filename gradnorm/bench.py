@@ -34,9 +34,9 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from gradnorm import parallel
+from gradnorm.dist import comm
 from gradnorm.denominators import parse_denominator
-from gradnorm.equivalence import count_collectives, free_port
+from gradnorm.dist.harness import count_collectives, free_port
 from gradnorm.grpo import grpo_token_losses
 from gradnorm.sharding import make_plan
 from gradnorm.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs
@@ -89,7 +89,7 @@ def _time_steps(model, optimizer, setup: StepSetup, modes: list[str], rounds: in
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         for mode in order:
-            parallel.barrier()
+            comm.barrier()
             start = time.perf_counter()
             with count_collectives() as calls:
                 accumulate_gradients(model, plan, mask, groups, setup.num_groups, parse_denominator(mode),
@@ -109,7 +109,7 @@ def _step_worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, St
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    parallel.setup(backend="gloo", device="cpu", timeout_s=300)
+    comm.setup(backend="gloo", device="cpu", timeout_s=300)
     try:
         results = {}
         for name, setup, modes, rounds in jobs:
@@ -123,7 +123,7 @@ def _step_worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, St
         if rank == 0:
             Path(out_dir, "steps.json").write_text(json.dumps(results))
     finally:
-        parallel.teardown()
+        comm.teardown()
 
 
 def run_step_jobs(world_size: int, jobs) -> dict:

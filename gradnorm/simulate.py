@@ -4,7 +4,7 @@ The simulation runs exactly the arithmetic of a real data-parallel step: each ra
 tokens, the count vectors are summed (what the all-reduce returns), each microbatch backpropagates
 its rank-weighted loss, gradients add up over a rank's microbatches (accumulation) and are then
 averaged over ranks (DDP). Notebooks and tests use it to show any (W, A, sharding) instantly;
-``gradnorm.equivalence`` proves it equals the real multi-process result.
+``gradnorm.dist.harness`` proves it equals the real multi-process result.
 """
 
 from __future__ import annotations

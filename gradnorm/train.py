@@ -79,7 +79,8 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, dataparallel, hfmodels, parallel
+from gradnorm import checkpointing, hfmodels
+from gradnorm.dist import comm, wrap
 from gradnorm.grpo import finalize_stats, grpo_token_losses
 from gradnorm.prompts import PromptTask
 from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
@@ -153,7 +154,7 @@ def build_policy(cfg: TrainConfig, device: torch.device):
     return task, model.train(), hfmodels.response_logprobs
 
 
-def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -> None:
+def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> None:
     W, A, U = ctx.world_size, cfg.grad_accum_steps, cfg.updates_per_rollout
     out = Path(cfg.output_dir)
     task, model, score = build_policy(cfg, ctx.device)
@@ -186,7 +187,7 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
                 after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
         warmup = {"steps": cfg.warmup_steps if cfg.builtin else 0, "reward_before": before,
                   "reward_after": after if cfg.builtin else before, "seconds": time.perf_counter() - t}
-        parallel.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward "
+        comm.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward "
                         f"{before:.3f} -> {warmup['reward_after']:.3f}")
     ref = None
     if cfg.beta > 0:  # the frozen reference: the policy after warm-up
@@ -195,12 +196,12 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
             ref.load_state_dict(state["ref_model"])
     # DDP wraps the model; FSDP2 shards it in place (then ddp is model, and sampling goes through
     # the sharded module on every rank in lockstep). Both average gradients over W.
-    ddp = dataparallel.wrap_policy(model, cfg.parallel, ctx)
+    ddp = wrap.wrap_policy(model, cfg.parallel, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if ckpt_path is not None:
-        dataparallel.load_optimizer_state(model, opt, state["optimizer"])
+        wrap.load_optimizer_state(model, opt, state["optimizer"])
         checkpointing.set_rng_state(state["rng"])
-        parallel.print0(f"resumed from {ckpt_path} at step {start}")
+        comm.print0(f"resumed from {ckpt_path} at step {start}")
 
     metrics = None
     if ctx.is_main:
@@ -218,7 +219,7 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
     for step in range(start + 1, cfg.steps + 1):
         j = (step - 1) % U  # which update of the current rollout batch this is
         if j == 0 or rollout is None:
-            with dataparallel.gathered_for_sampling(model) as sampler, autocast():
+            with wrap.gathered_for_sampling(model) as sampler, autocast():
                 rollout = generate_rollout(sampler, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                            group_size=cfg.group_size, seed=cfg.seed, step=step - j,
                                            temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std)
@@ -245,8 +246,8 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
         opt.zero_grad(set_to_none=True)
         _, sums = accumulate_gradients(ddp, plan[ctx.rank], mb.mask, mb.group_ids, mb.num_groups,
                                        cfg.denominator, token_losses, W)
-        grad_norm = dataparallel.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
-        stats = finalize_stats(parallel.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
+        grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
+        stats = finalize_stats(comm.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
         # grad_norm (after DDP's all-reduce) and the stats (all-reduced) are the same on every rank,
         # so every rank takes the same decision without another collective. NaN never reaches the weights.
         finite = bool(torch.isfinite(grad_norm)) and all(math.isfinite(v) for v in stats.values())
@@ -256,7 +257,7 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
         else:
             opt.zero_grad(set_to_none=True)
             skipped, in_a_row = skipped + 1, in_a_row + 1
-            parallel.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats['loss']}, grad_norm "
+            comm.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats['loss']}, grad_norm "
                             f"{float(grad_norm)}); skipped the update ({in_a_row} in a row, "
                             f"--max-skipped-steps {cfg.max_skipped_steps})", file=sys.stderr)
 
@@ -283,7 +284,7 @@ def train(cfg: TrainConfig, ctx: parallel.DistContext, ckpt_path: Path | None) -
                       f"grad_norm {record['grad_norm']:.4f} tokens/s {record['tokens_per_second']:.0f}", flush=True)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             # Under FSDP every rank must take part in gathering the full state; rank 0 writes it.
-            model_state, opt_state = dataparallel.full_state_dict(model), dataparallel.optimizer_state(model, opt)
+            model_state, opt_state = wrap.full_state_dict(model), wrap.optimizer_state(model, opt)
             if ctx.is_main:
                 checkpointing.save_atomic({
                     "model": model_state, "optimizer": opt_state, "step": step,
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.cpu_threads)
-    ctx = parallel.setup(backend=None if cfg.backend == "auto" else cfg.backend,
+    ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
                          device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
     try:
         train(cfg, ctx, ckpt_path)
@@ -338,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     finally:
-        parallel.teardown()
+        comm.teardown()
     return 0
 
 
 if __name__ == "__main__":
     code = main()
-    if parallel.launched_by_torchrun():
+    if comm.launched_by_torchrun():
         # Skip interpreter finalization under torchrun. A gloo worker thread may still be dropping
         # the last collective's tensors, which takes the GIL; during finalization that aborts the
         # process ("terminate called without an active exception", SIGABRT) now and then, and

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from gradnorm.denominators import Counts, Denominator, count_tokens, needs_global_counts, rank_weights, token_weights
 from gradnorm.grpo import TokenLosses, stat_sums
-from gradnorm.parallel import global_counts
+from gradnorm.dist.comm import global_counts
 
 
 def _no_sync(model: nn.Module, last: bool):

@@ -235,7 +235,7 @@ def test_packed_pairs_by_hand():
 
 
 def test_dpo_pair_losses_longhand():
-    from gradnorm.equivalence import make_policy, make_problem
+    from gradnorm.toy import make_policy, make_problem
     from torch.nn.functional import logsigmoid
 
     problem = make_problem(lengths=[3, 5, 2, 4], group_size=2, max_len=6)

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.equivalence import DEFAULT_LENGTHS, Case, make_policy, make_problem, run_ddp, token_losses
+from gradnorm.dist.harness import Case, run_ddp
+from gradnorm.toy import DEFAULT_LENGTHS, make_policy, make_problem, token_losses
 from gradnorm.sharding import SHARD_KINDS, make_plan, tokens_per_rank
 from gradnorm.simulate import simulated_gradient
 

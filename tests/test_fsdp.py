@@ -16,7 +16,7 @@ import torch
 from test_equivalence import EMPTY, INVARIANT, MODES, oracle_gradient
 from torch.testing import assert_close
 
-from gradnorm.equivalence import Case, run_ddp
+from gradnorm.dist.harness import Case, run_ddp
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
 
@@ -63,8 +63,8 @@ def test_fsdp_adds_one_collective_per_minibatch_and_survives_an_empty_one(fsdp_r
 
 def test_a_checkpoint_resumes_only_under_the_parallel_it_was_written_with():
     # DDP saves optimizer state by parameter index, FSDP2 (torch's full state dict) by name.
-    from gradnorm.dataparallel import load_optimizer_state
-    from gradnorm.equivalence import make_policy
+    from gradnorm.dist.wrap import load_optimizer_state
+    from gradnorm.toy import make_policy
 
     policy = make_policy(0)
     opt = torch.optim.AdamW(policy.parameters())

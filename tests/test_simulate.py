@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.equivalence import DEFAULT_LENGTHS
+from gradnorm.toy import DEFAULT_LENGTHS
 from gradnorm.sharding import SHARD_KINDS, make_plan
 from gradnorm.simulate import effective_weights, simulated_counts
 

@@ -1,6 +1,6 @@
 """Wrap a policy for data parallelism: DDP, or FSDP2 (``fully_shard``) when it outgrows one GPU.
 
-Part of the thin distributed shell, next to ``gradnorm.parallel``: nothing here issues a
+Part of the thin distributed shell, next to ``gradnorm.dist.comm``: nothing here issues a
 collective of its own; the wrappers do (DDP's all-reduce, FSDP's all-gather and reduce-scatter).
 
 Why the normalization needs nothing new under FSDP. Both wrappers reduce gradients by a MEAN over
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradnorm.parallel import DistContext
+from gradnorm.dist.comm import DistContext
 
 ParallelKind = Literal["ddp", "fsdp"]
 PARALLEL_KINDS: tuple[str, ...] = ("ddp", "fsdp")

@@ -1,4 +1,4 @@
-"""The thin distributed shell: the only module of gradnorm that calls torch.distributed.
+"""The process group and its collectives: setup, THE all-reduce of counts, rank-0 printing.
 
 It sets up the process group (NCCL on CUDA, gloo on CPU, chosen automatically), performs the one
 all-reduce of counts per minibatch, reduces logging statistics, and prints on rank 0. Every
