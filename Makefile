@@ -40,7 +40,7 @@ example: install
 	$(PY) -m gradnorm.worked_example
 
 bench: install
-	$(PY) -m gradnorm.bench --out benchmarks
+	$(PY) benchmarks/bench.py --out benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -26,16 +26,16 @@ averaged over is empty, and then there is nothing to weight.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal, Union, get_args
 
 import torch
 from torch import Tensor
 
 Mode = Literal["local", "token", "sequence", "group"]
 Denominator = Union[Mode, float]
-MODES: tuple[str, ...] = ("local", "token", "sequence", "group")
+MODES: tuple[str, ...] = get_args(Mode)  # the one list of mode names
 
 _ACCEPTED = (
     'one of "local", "token", "sequence", "group", or a positive finite number '
@@ -84,6 +84,12 @@ def count_tokens(lengths: Tensor, group_ids: Tensor, num_groups: int) -> Tensor:
     group_tokens = torch.zeros(num_groups, dtype=torch.int64, device=lengths.device)
     group_tokens.index_add_(0, group_ids.to(torch.int64), lengths)  # N_g
     return torch.cat([tokens, sequences, group_tokens])
+
+
+def rank_count_vector(microbatches: Sequence[Tensor], lengths: Tensor, group_ids: Tensor, num_groups: int) -> Tensor:
+    """``count_tokens`` over every microbatch of one rank: ``microbatches[m]`` indexes ``lengths`` (S,)."""
+    idx = torch.cat(list(microbatches)) if microbatches else torch.zeros(0, dtype=torch.long)
+    return count_tokens(lengths[idx], group_ids[idx], num_groups)
 
 
 @dataclass(frozen=True)
@@ -201,3 +207,24 @@ def rank_weights(weights: Tensor, world_size: int, grad_reduction: Literal["mean
     if grad_reduction == "sum":
         return weights
     raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+
+
+def microbatch_loss(
+    mb_token_loss: Tensor,
+    mb_mask: Tensor,
+    mb_group_ids: Tensor,
+    denominator: Denominator,
+    counts: Counts | None,
+    *,
+    world_size: int,
+    accum_steps: int,
+) -> tuple[Tensor, Tensor]:
+    """THE heart of a step: (L, w) for one microbatch, L = sum_t W * w * l * M (a scalar to backward).
+
+    ``mb_token_loss`` l (n, T) and ``mb_mask`` M (n, T) are the microbatch's; w (n, T) comes back
+    too, for the logged statistics. The trainer (``update.accumulate_gradients``), the simulation
+    (``simulate.simulated_gradient``) and the benchmarks all build their backward loss here.
+    """
+    w = token_weights(mb_mask, mb_group_ids, denominator, counts,
+                      world_size=world_size, accum_steps=accum_steps, dtype=mb_token_loss.dtype)
+    return (rank_weights(w, world_size) * torch.where(mb_mask, mb_token_loss, 0.0)).sum(), w

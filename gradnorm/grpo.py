@@ -103,6 +103,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 STAT_NAMES = ("loss", "tokens", "pg_loss", "kl", "clipfrac", "entropy")
+NUM_STATS = len(STAT_NAMES)
 
 
 def stat_sums(weights: Tensor, mask: Tensor, terms: "TokenLosses") -> Tensor:

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradnorm.tinygpt import _sample, token_logprobs_and_entropy
+from gradnorm.dist.wrap import unwrap
+from gradnorm.sampling import decode
+from gradnorm.tinygpt import token_logprobs_and_entropy
 
 _MISSING = "Hugging Face models need transformers: pip install -e '.[hf]'"
 
@@ -49,11 +51,7 @@ def require_transformers():
 
 def is_hf_model(model: nn.Module) -> bool:
     """Whether ``model`` (possibly inside DDP) is a Hugging Face PreTrainedModel."""
-    return hasattr(_unwrap(model), "config") and hasattr(_unwrap(model), "get_input_embeddings")
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DDP keeps the model in .module; FSDP2 changes it in place
+    return hasattr(unwrap(model), "config") and hasattr(unwrap(model), "get_input_embeddings")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,31 +165,24 @@ def generate(
     prefix at every step, for tests of the cache.
     """
     B, P = prompts.shape
-    out = torch.full((B, P + max_new_tokens), pad_id, dtype=torch.long, device=prompts.device)
-    out[:, :P] = prompts
     attention, positions = padding_positions(prompts, P, pad_id)  # (B, P) each
-    finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
     cache_kw = _cache_kwarg(model)
-
     step = model(input_ids=prompts, attention_mask=attention, position_ids=positions, use_cache=use_cache)
-    logits, cache = step.logits[:, -1], _cache_of(step, cache_kw)  # (B, V): the prefill
-    for t in range(max_new_tokens):
-        token = _sample(logits, temperature, generator)  # (B,) fp32 softmax, seeded multinomial
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        out[:, P + t] = token
-        finished |= token == eos_id
-        if t == max_new_tokens - 1 or bool(finished.all()):
-            break
+    cache = _cache_of(step, cache_kw)
+
+    def advance(token: Tensor, t: int, out: Tensor) -> Tensor:
+        nonlocal attention, positions, cache
         attention = torch.cat([attention, attention.new_ones(B, 1)], dim=1)  # (B, P + t + 1)
         positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
-        if use_cache:
-            step = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions[:, -1:],
-                         use_cache=True, **{cache_kw: cache})
-            logits, cache = step.logits[:, -1], _cache_of(step, cache_kw)  # only the new position
-        else:
-            logits = model(input_ids=out[:, : P + t + 1], attention_mask=attention, position_ids=positions,
-                           use_cache=False).logits[:, -1]  # the whole prefix again
-    return out
+        if not use_cache:  # the whole prefix again
+            return model(input_ids=out[:, : P + t + 1], attention_mask=attention, position_ids=positions,
+                         use_cache=False).logits[:, -1]
+        step = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions[:, -1:],
+                     use_cache=True, **{cache_kw: cache})
+        cache = _cache_of(step, cache_kw)
+        return step.logits[:, -1]  # only the new position
+
+    return decode(prompts, step.logits[:, -1], advance, max_new_tokens, eos_id, pad_id, temperature, generator)
 
 
 def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
@@ -202,10 +193,10 @@ def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int) -> tupl
     (``logits_to_keep``): with a 150k vocabulary the prompt's logits would be most of the memory.
     log_softmax runs in float32 even under bf16 autocast: exp(logp - old_logp) amplifies rounding.
     """
-    pad_id = _unwrap(model).config.pad_token_id
+    pad_id = unwrap(model).config.pad_token_id
     attention, positions = padding_positions(tokens, prompt_len, pad_id)  # (B, L)
     R = tokens.shape[1] - prompt_len
-    kwargs = {"logits_to_keep": R} if _accepts(type(_unwrap(model)).forward, "logits_to_keep") else {}
+    kwargs = {"logits_to_keep": R} if _accepts(type(unwrap(model)).forward, "logits_to_keep") else {}
     logits = model(input_ids=tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
                    use_cache=False, **kwargs).logits  # (B, R or L - 1, V)
     return token_logprobs_and_entropy(logits[:, -R:], tokens[:, prompt_len:])

@@ -10,14 +10,14 @@ update, and ``length`` shows by how much.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 Plan = list[list[Tensor]]
 ShardKind = Literal["interleave", "contiguous", "length", "balanced"]
-SHARD_KINDS: tuple[str, ...] = ("interleave", "contiguous", "length", "balanced")
+SHARD_KINDS: tuple[str, ...] = get_args(ShardKind)  # the one list of shardings
 
 
 def check_divisible(num_sequences: int, world_size: int, accum_steps: int) -> None:

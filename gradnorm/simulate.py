@@ -14,13 +14,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from gradnorm.denominators import Counts, Denominator, count_tokens, needs_global_counts, rank_weights, token_weights
+from gradnorm.denominators import (
+    Counts, Denominator, microbatch_loss, needs_global_counts, rank_count_vector, token_weights,
+)
 from gradnorm.sharding import Plan, validate_plan
 
 
 def simulated_counts(plan: Plan, lengths: Tensor, group_ids: Tensor, num_groups: int) -> Counts:
     """The global counts, built as the all-reduce builds them: a sum of per-rank count vectors."""
-    per_rank = [count_tokens(lengths[torch.cat(rank)], group_ids[torch.cat(rank)], num_groups) for rank in plan]
+    per_rank = [rank_count_vector(rank, lengths, group_ids, num_groups) for rank in plan]
     return Counts.from_vector(torch.stack(per_rank).sum(0))
 
 
@@ -73,11 +75,8 @@ def simulated_gradient(
     for rank in plan:
         rank_grad = [torch.zeros_like(p) for p in params]
         for mb in rank:  # gradient accumulation: microbatch gradients add up
-            w = token_weights(
-                mask[mb], group_ids[mb], denominator, counts,
-                world_size=world_size, accum_steps=accum_steps, dtype=params[0].dtype,
-            )
-            loss = (rank_weights(w, world_size) * torch.where(mask[mb], per_token_loss(mb), 0.0)).sum()
+            loss, _ = microbatch_loss(per_token_loss(mb), mask[mb], group_ids[mb], denominator, counts,
+                                      world_size=world_size, accum_steps=accum_steps)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             for acc, g in zip(rank_grad, grads):
                 if g is not None:

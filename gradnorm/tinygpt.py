@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradnorm.grpo import entropy_from_logprobs
+from gradnorm.sampling import decode
 
 
 @dataclass
@@ -180,15 +181,6 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from logits (B, V); temperature 0 means greedy (argmax)."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)  # (B,)
-    # float32 softmax: in bf16 the tail probabilities, and hence the samples, would be coarser.
-    probs = F.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
-
-
 @torch.no_grad()
 def generate(
     model: TinyGPT,
@@ -220,24 +212,15 @@ def generate(
     total = P + max_new_tokens
     if total > model.config.block_size:
         raise ValueError(f"P + max_new_tokens = {total} exceeds block_size {model.config.block_size}")
-    out = torch.full((B, total), pad_id, dtype=torch.long, device=prompts.device)
-    out[:, :P] = prompts
-    finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
-
     cache = model.new_kv_cache(B) if use_cache else None
-    logits = model(prompts, kv_cache=cache)[:, -1]  # (B, V): the prefill
-    for t in range(max_new_tokens):
-        token = _sample(logits, temperature, generator)  # (B,)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        out[:, P + t] = token
-        finished |= token == eos_id
-        if t == max_new_tokens - 1 or bool(finished.all()):
-            break
+
+    def advance(token: torch.Tensor, t: int, out: torch.Tensor) -> torch.Tensor:
         if use_cache:
-            logits = model(token[:, None], kv_cache=cache)[:, -1]  # only the new position
-        else:
-            logits = model(out[:, : P + t + 1])[:, -1]  # the whole prefix again
-    return out
+            return model(token[:, None], kv_cache=cache)[:, -1]  # only the new position
+        return model(out[:, : P + t + 1])[:, -1]  # the whole prefix again
+
+    prefill = model(prompts, kv_cache=cache)[:, -1]  # (B, V)
+    return decode(prompts, prefill, advance, max_new_tokens, eos_id, pad_id, temperature, generator)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,12 +30,13 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     counts, and a one-ulp difference in a logit can flip a sampled token between W=1 and W=2.
  2. Shard. ``sharding.make_plan(--shard, lengths, W, A)`` assigns sequences to ranks and
     microbatches; each rank keeps plan[rank].
- 3. Accumulate. ``update.accumulate_gradients`` counts this rank's response tokens, all-reduces
-    the count vector ONCE (the fix; skipped by local and a constant, which need no counts), and
-    backpropagates each microbatch's weighted loss under DDP's no_sync except the last.
+ 3. Accumulate. ``dist.comm.global_counts`` counts this rank's response tokens and all-reduces
+    the count vector ONCE (the fix; skipped by local and a constant, which need no counts);
+    ``update.accumulate_gradients`` backpropagates each microbatch's weighted loss with those
+    counts, under DDP's no_sync except the last.
  4. Step. Clip the global gradient norm (the logged grad_norm is the norm before clipping, the
     same on every rank after DDP's all-reduce), AdamW step.
- 5. Log. One more all-reduce of 6 float64 sums (J, tokens, pg loss, KL, clipped tokens, entropy)
+ 5. Log and checkpoint. One more all-reduce of 6 float64 sums (J, tokens, pg loss, KL, clipped tokens, entropy)
     makes every logged statistic a global, token-weighted value comparable across W and A. It is a
     logging collective, the same in every mode, separate from the normalization's count all-reduce.
 
@@ -69,6 +70,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 try:  # run as a script, sys.path[0] is gradnorm/; a plain checkout has no installed package
@@ -154,7 +156,50 @@ def build_policy(cfg: TrainConfig, device: torch.device):
     return task, model.train(), hfmodels.response_logprobs
 
 
+@dataclass
+class RunState:
+    """Where a run stands: what a checkpoint restores besides the weights, optimizer and RNGs."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    warmup: dict = field(default_factory=dict)
+    """The warm-up's record (warmup.json)."""
+    elapsed_s: float = 0.0
+    """Seconds of GRPO before this process started (a resumed run continues the clock)."""
+    skipped: int = 0
+    """Steps skipped for a non-finite loss or gradient, in all."""
+    in_a_row: int = 0
+    """The same, in a row up to the last step."""
+
+
+def start_or_resume(cfg: TrainConfig, model: torch.nn.Module, task, ckpt_path: Path | None, autocast) -> tuple[RunState, dict | None]:
+    """A fresh run (reward, warm-up, reward) or the checkpoint's weights and state; (state, checkpoint)."""
+    if ckpt_path is not None:
+        # on the CPU: RNG states must stay CPU tensors; load_state_dict copies the rest to the device
+        ckpt = checkpointing.load(ckpt_path, required=checkpointing.TRAINER_KEYS)
+        try:
+            model.load_state_dict(ckpt["model"])
+        except RuntimeError as err:
+            raise ValueError(f"checkpoint {ckpt_path} holds a different model ({(str(err).splitlines() + [''])[1].strip()[:120]}); "
+                             "resume with the --model (--n-layer/--n-head/--n-embd) it was trained with") from None
+        return RunState(ckpt["step"], ckpt["warmup"], ckpt["elapsed_s"], ckpt.get("skipped_steps", 0),
+                        ckpt.get("skipped_in_a_row", 0)), ckpt
+    t = time.perf_counter()
+    with autocast():
+        before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
+    after = before
+    if cfg.builtin:  # a Hugging Face model starts from its own (pretrained) weights
+        warm_up(model, task, cfg)
+        with autocast():
+            after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
+    warmup = {"steps": cfg.warmup_steps if cfg.builtin else 0, "reward_before": before,
+              "reward_after": after, "seconds": time.perf_counter() - t}
+    comm.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward {before:.3f} -> {after:.3f}")
+    return RunState(warmup=warmup), None
+
+
 def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> None:
+    """Build, then run the five steps of the module docstring for every optimizer step."""
     W, A, U = ctx.world_size, cfg.grad_accum_steps, cfg.updates_per_rollout
     out = Path(cfg.output_dir)
     task, model, score = build_policy(cfg, ctx.device)
@@ -166,57 +211,38 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     def autocast():
         return contextlib.nullcontext() if amp_dtype is None else torch.autocast(ctx.device.type, dtype=amp_dtype)
 
-    if ckpt_path is not None:
-        # on the CPU: RNG states must stay CPU tensors; load_state_dict copies the rest to the device
-        state = checkpointing.load(ckpt_path, required=checkpointing.TRAINER_KEYS)
-        try:
-            model.load_state_dict(state["model"])
-        except RuntimeError as err:
-            raise ValueError(f"checkpoint {ckpt_path} holds a different model ({(str(err).splitlines() + [''])[1].strip()[:120]}); "
-                             "resume with the --model (--n-layer/--n-head/--n-embd) it was trained with") from None
-        start, warmup, elapsed0 = state["step"], state["warmup"], state["elapsed_s"]
-        skipped, in_a_row = state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0)
-    else:
-        start, elapsed0, t = 0, 0.0, time.perf_counter()
-        skipped = in_a_row = 0  # steps skipped for a non-finite loss or gradient: in all, and in a row
-        with autocast():
-            before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-        if cfg.builtin:  # a Hugging Face model starts from its own (pretrained) weights
-            warm_up(model, task, cfg)
-            with autocast():
-                after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-        warmup = {"steps": cfg.warmup_steps if cfg.builtin else 0, "reward_before": before,
-                  "reward_after": after if cfg.builtin else before, "seconds": time.perf_counter() - t}
-        comm.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward "
-                        f"{before:.3f} -> {warmup['reward_after']:.3f}")
+    run, ckpt = start_or_resume(cfg, model, task, ckpt_path, autocast)
     ref = None
     if cfg.beta > 0:  # the frozen reference: the policy after warm-up
         ref = copy.deepcopy(model).requires_grad_(False).eval()
-        if ckpt_path is not None:
-            ref.load_state_dict(state["ref_model"])
-    # DDP wraps the model; FSDP2 shards it in place (then ddp is model, and sampling goes through
-    # the sharded module on every rank in lockstep). Both average gradients over W.
-    ddp = wrap.wrap_policy(model, cfg.parallel, ctx)
+        if ckpt is not None:
+            ref.load_state_dict(ckpt["ref_model"])
+    # What the training forward goes through: DDP around the model, or the model itself (FSDP2
+    # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
+    dp_model = wrap.wrap_policy(model, cfg.parallel, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if ckpt_path is not None:
-        wrap.load_optimizer_state(model, opt, state["optimizer"])
-        checkpointing.set_rng_state(state["rng"])
-        comm.print0(f"resumed from {ckpt_path} at step {start}")
+    if ckpt is not None:
+        wrap.load_optimizer_state(model, opt, ckpt["optimizer"])
+        checkpointing.set_rng_state(ckpt["rng"])
+        comm.print0(f"resumed from {ckpt_path} at step {run.step}")
+        del ckpt
 
     metrics = None
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": W}, indent=2) + "\n")
-        (out / "warmup.json").write_text(json.dumps(warmup, indent=2) + "\n")
-        metrics = open_metrics(out / "metrics.jsonl", start)
+        (out / "warmup.json").write_text(json.dumps(run.warmup, indent=2) + "\n")
+        metrics = open_metrics(out / "metrics.jsonl", run.step)
         if ckpt_path is None:  # a fresh run replaces the old one's files, so --resume never mixes runs
             for stale in out.glob("ckpt_step*.pt"):
                 stale.unlink()
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (ctx.is_main and sys.stderr.isatty()),
+    bar = tqdm(total=cfg.steps, initial=run.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
+    elapsed0 = run.elapsed_s
     t0 = t_prev = time.perf_counter()
     rollout = old_logp = ref_logp = None
-    for step in range(start + 1, cfg.steps + 1):
+    for step in range(run.step + 1, cfg.steps + 1):
+        # 1. Rollout: sampled once per rollout batch, then reused by its U updates.
         j = (step - 1) % U  # which update of the current rollout batch this is
         if j == 0 or rollout is None:
             with wrap.gathered_for_sampling(model) as sampler, autocast():
@@ -231,75 +257,108 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         rows = slice(mb_index * cfg.sequences_per_step, (mb_index + 1) * cfg.sequences_per_step)
         mb_old = None if old_logp is None else old_logp[rows]
         mb_ref = None if ref_logp is None else ref_logp[rows]
+
+        # 2. Shard: this rank's microbatches of the global minibatch.
         lengths = mb.lengths.cpu()
         plan = make_plan(cfg.shard, lengths, W, A)
 
         def token_losses(idx):  # the forward pass of one microbatch, through DDP or FSDP
             with autocast():
-                logp, entropy = score(ddp, mb.tokens[idx], P)  # fp32 even under autocast
+                logp, entropy = score(dp_model, mb.tokens[idx], P)  # fp32 even under autocast
             return grpo_token_losses(
                 logp, logp.detach() if mb_old is None else mb_old[idx], mb.advantages[idx],
                 ref_logp=None if mb_ref is None else mb_ref[idx], beta=cfg.beta, clip_low=cfg.clip_low,
                 clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator, entropy=entropy.detach(),
             )
 
+        # 3. Accumulate: THE all-reduce of counts (the fix), then every microbatch's backward.
         opt.zero_grad(set_to_none=True)
-        _, sums = accumulate_gradients(ddp, plan[ctx.rank], mb.mask, mb.group_ids, mb.num_groups,
-                                       cfg.denominator, token_losses, W)
+        counts = comm.global_counts(plan[ctx.rank], mb.lengths, mb.group_ids, mb.num_groups, cfg.denominator)
+        sums = accumulate_gradients(dp_model, plan[ctx.rank], mb.mask, mb.group_ids, counts,
+                                    cfg.denominator, token_losses, W)
+
+        # 4. Step: clip the global norm; skip the update on every rank if anything is non-finite.
         grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
         stats = finalize_stats(comm.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
-        # grad_norm (after DDP's all-reduce) and the stats (all-reduced) are the same on every rank,
-        # so every rank takes the same decision without another collective. NaN never reaches the weights.
-        finite = bool(torch.isfinite(grad_norm)) and all(math.isfinite(v) for v in stats.values())
-        if finite:
-            opt.step()
-            in_a_row = 0
-        else:
-            opt.zero_grad(set_to_none=True)
-            skipped, in_a_row = skipped + 1, in_a_row + 1
-            comm.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats['loss']}, grad_norm "
-                            f"{float(grad_norm)}); skipped the update ({in_a_row} in a row, "
-                            f"--max-skipped-steps {cfg.max_skipped_steps})", file=sys.stderr)
+        apply_or_skip(opt, grad_norm, stats, run, step, cfg)
 
+        # 5. Log (rank 0) and checkpoint.
         now = time.perf_counter()
-        record = {
-            "step": step, "loss": stats["loss"], "grad_norm": float(grad_norm),
-            "reward_mean": float(mb.rewards.mean()), "exact_match": float((mb.rewards == 1.0).float().mean()),
-            "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
-            "tokens": stats["tokens"], "tokens_per_rank": tokens_per_rank(plan, lengths),
-            **{k: stats[k] for k in ("pg_loss", "kl", "clipfrac", "entropy") if k in stats},
-            "rollout_digest": rollout.digest(), "skipped_steps": skipped,
-            "tokens_per_second": stats["tokens"] / max(now - t_prev, 1e-9), "elapsed_s": elapsed0 + now - t0,
-            **({"max_memory_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30} if ctx.device.type == "cuda" else {}),
-        }
-        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        record = step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run,
+                             tokens_per_second=stats["tokens"] / max(now - t_prev, 1e-9),
+                             elapsed_s=elapsed0 + now - t0, device=ctx.device)
         t_prev = now
+        run.step, run.elapsed_s = step, record["elapsed_s"]
         if ctx.is_main:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            bar.update(1)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
-            if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
-                print(f"step {step}/{cfg.steps} reward {record['reward_mean']:.3f} loss {record['loss']:.4f} "
-                      f"grad_norm {record['grad_norm']:.4f} tokens/s {record['tokens_per_second']:.0f}", flush=True)
+            write_record(metrics, bar, record, cfg)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            # Under FSDP every rank must take part in gathering the full state; rank 0 writes it.
-            model_state, opt_state = wrap.full_state_dict(model), wrap.optimizer_state(model, opt)
-            if ctx.is_main:
-                checkpointing.save_atomic({
-                    "model": model_state, "optimizer": opt_state, "step": step,
-                    "rng": checkpointing.rng_state(), "warmup": warmup, "elapsed_s": record["elapsed_s"],
-                    "skipped_steps": skipped, "skipped_in_a_row": in_a_row,
-                    **({"ref_model": ref.state_dict()} if ref is not None else {}),
-                }, checkpointing.checkpoint_path(out, step))
-        if in_a_row >= cfg.max_skipped_steps:
-            raise TrainingError(f"{in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
-                                "the weights are unchanged since step " f"{step - in_a_row}: lower --lr or "
+            save_checkpoint(out, model, opt, ref, run, ctx)
+        if run.in_a_row >= cfg.max_skipped_steps:
+            raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
+                                "the weights are unchanged since step " f"{step - run.in_a_row}: lower --lr or "
                                 "check the reward, or raise --max-skipped-steps")
     bar.close()
     if ctx.is_main:
         metrics.close()
         summarize(out, cfg.plot)
+
+
+def apply_or_skip(opt: torch.optim.Optimizer, grad_norm: torch.Tensor, stats: dict, run: RunState, step: int,
+                  cfg: TrainConfig) -> None:
+    """Step the optimizer, or skip the update when the loss or the gradient is not finite.
+
+    grad_norm (after DDP's all-reduce) and the stats (all-reduced) are the same on every rank, so
+    every rank takes the same decision without another collective. NaN never reaches the weights.
+    """
+    if bool(torch.isfinite(grad_norm)) and all(math.isfinite(v) for v in stats.values()):
+        opt.step()
+        run.in_a_row = 0
+        return
+    opt.zero_grad(set_to_none=True)
+    run.skipped, run.in_a_row = run.skipped + 1, run.in_a_row + 1
+    comm.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats['loss']}, grad_norm "
+                f"{float(grad_norm)}); skipped the update ({run.in_a_row} in a row, "
+                f"--max-skipped-steps {cfg.max_skipped_steps})", file=sys.stderr)
+
+
+def step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run: RunState, *, tokens_per_second: float,
+                elapsed_s: float, device: torch.device) -> dict:
+    """One line of metrics.jsonl: global statistics of the step (non-finite values as null)."""
+    record = {
+        "step": step, "loss": stats["loss"], "grad_norm": float(grad_norm),
+        "reward_mean": float(mb.rewards.mean()), "exact_match": float((mb.rewards == 1.0).float().mean()),
+        "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
+        "tokens": stats["tokens"], "tokens_per_rank": tokens_per_rank(plan, lengths),
+        **{k: stats[k] for k in ("pg_loss", "kl", "clipfrac", "entropy") if k in stats},
+        "rollout_digest": rollout.digest(), "skipped_steps": run.skipped,
+        "tokens_per_second": tokens_per_second, "elapsed_s": elapsed_s,
+        **({"max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}),
+    }
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
+    """Append the record to metrics.jsonl and show it (progress bar, or a line every --log-every steps)."""
+    metrics.write(json.dumps(record) + "\n")
+    metrics.flush()
+    bar.update(1)
+    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
+    step = record["step"]
+    if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
+        print(f"step {step}/{cfg.steps} reward {record['reward_mean']:.3f} loss {record['loss']:.4f} "
+              f"grad_norm {record['grad_norm']:.4f} tokens/s {record['tokens_per_second']:.0f}", flush=True)
+
+
+def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext) -> None:
+    """Write ckpt_step{N}.pt atomically (rank 0); under FSDP every rank takes part in gathering it."""
+    model_state, opt_state = wrap.full_state_dict(model), wrap.optimizer_state(model, opt)
+    if ctx.is_main:
+        checkpointing.save_atomic({
+            "model": model_state, "optimizer": opt_state, "step": run.step,
+            "rng": checkpointing.rng_state(), "warmup": run.warmup, "elapsed_s": run.elapsed_s,
+            "skipped_steps": run.skipped, "skipped_in_a_row": run.in_a_row,
+            **({"ref_model": ref.state_dict()} if ref is not None else {}),
+        }, checkpointing.checkpoint_path(out, run.step))
 
 
 def summarize(out: Path, plot: bool) -> None:

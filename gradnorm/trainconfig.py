@@ -22,7 +22,8 @@ import torch
 
 from gradnorm.denominators import Denominator, parse_denominator
 from gradnorm.prompts import get_reward, load_prompts
-from gradnorm.sharding import check_divisible
+from gradnorm.dist.wrap import ParallelKind
+from gradnorm.sharding import ShardKind, check_divisible
 
 
 @dataclass
@@ -37,7 +38,7 @@ class TrainConfig:
     C = prompts-per-step * group-size * max-new-tokens)."""
     grad_accum_steps: int = 1
     """A: microbatches per rank per optimizer step (DDP no_sync on all but the last)."""
-    shard: Literal["interleave", "contiguous", "length", "balanced"] = "interleave"
+    shard: ShardKind = "interleave"
     """How a minibatch's sequences are split over ranks and microbatches. length sorts by response
     length first, so low ranks get the short responses (maximal imbalance); balanced packs by tokens."""
 
@@ -111,7 +112,7 @@ class TrainConfig:
     reward: str = "exact_match_math"
     """Reward of a response to --prompts: exact_match_math (the last \\boxed{} value, else the last
     number, equal to the answer: 1, else 0) or any package.module:function(response, answer)."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    parallel: ParallelKind = "ddp"
     """ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
     state per transformer block (FSDP2), for models that do not fit DDP. Both average gradients
     over ranks, which the loss weights undo in the same one place."""

@@ -1,16 +1,20 @@
-"""One rank's share of one optimizer step: count, all-reduce once, then accumulate gradients.
+"""One rank's share of one optimizer step: backpropagate its microbatches with the global counts.
 
-This is the loop every data-parallel GRPO trainer runs, with the normalization made explicit:
+This is the loop every data-parallel GRPO trainer runs, with the normalization made explicit. The
+caller has already
 
-    1. count the rank's response tokens (all its microbatches) into a small int64 vector;
-    2. ONE all-reduce of that vector gives the global counts (skipped by ``local``, which needs none);
-    3. for each microbatch: per-token weights w from the global counts, scale by W to undo DDP's
-       mean, backpropagate sum(W * w * l); DDP's ``no_sync`` (FSDP2's
-       ``set_requires_gradient_sync(False)``) keeps all but the last microbatch from
-       communicating, so gradients really add up over accumulation steps.
+    1. counted the rank's response tokens (all its microbatches) into a small int64 vector
+       (``denominators.rank_count_vector``), and
+    2. all-reduced that vector ONCE (``dist.comm.global_counts``; skipped by ``local`` and a
+       constant, which need no counts),
 
-The caller then clips and steps the optimizer. The real trainer and the multi-process tests both
-call ``accumulate_gradients``, so what the tests prove is what the trainer runs.
+and passes the global counts in. Here, for each microbatch: per-token weights w from the global
+counts, scaled by W to undo DDP's mean, and a backward of sum(W * w * l)
+(``denominators.microbatch_loss``). DDP's ``no_sync`` (FSDP2's ``set_requires_gradient_sync``)
+keeps all but the last microbatch from communicating, so gradients really add up over the
+accumulation steps. The caller then clips and steps the optimizer. The real trainer and the
+multi-process tests both call ``accumulate_gradients``, so what the tests prove is what the
+trainer runs.
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradnorm.denominators import Counts, Denominator, count_tokens, needs_global_counts, rank_weights, token_weights
-from gradnorm.grpo import TokenLosses, stat_sums
-from gradnorm.dist.comm import global_counts
+from gradnorm.denominators import Counts, Denominator, microbatch_loss
+from gradnorm.grpo import NUM_STATS, TokenLosses, stat_sums
 
 
 def _no_sync(model: nn.Module, last: bool):
@@ -43,35 +46,26 @@ def accumulate_gradients(
     microbatches: Sequence[Tensor],
     mask: Tensor,
     group_ids: Tensor,
-    num_groups: int,
+    counts: Counts | None,
     denominator: Denominator,
     token_losses: Callable[[Tensor], TokenLosses],
     world_size: int,
-    grad_reduction: str = "mean",
-) -> tuple[Counts | None, Tensor]:
-    """Backpropagate this rank's microbatches; return (global counts, local stat sums (6,)).
+) -> Tensor:
+    """Backpropagate this rank's microbatches; return its local statistic sums (NUM_STATS,) float64.
 
     ``microbatches[m]`` indexes this rank's sequences in ``mask`` (S, T) and ``group_ids`` (S,);
-    ``token_losses(idx)`` runs the forward pass for those sequences. Every rank must call this
-    with the same number of microbatches, even when it holds no tokens.
+    ``counts`` are the global counts (None for ``local`` and a constant); ``token_losses(idx)``
+    runs the forward pass for those sequences. Every rank must call this with the same number of
+    microbatches, even when it holds no tokens.
     """
     accum_steps = len(microbatches)
-    device = mask.device
-    counts = None
-    if needs_global_counts(denominator):
-        rank_idx = torch.cat(list(microbatches)) if microbatches else torch.zeros(0, dtype=torch.long)
-        local = count_tokens(mask[rank_idx].sum(-1), group_ids[rank_idx], num_groups)
-        counts = global_counts(local.to(device))  # the one extra collective of this minibatch
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    sums = torch.zeros(NUM_STATS, dtype=torch.float64, device=mask.device)
     for m, mb in enumerate(microbatches):
         mb_mask = mask[mb]
         with _no_sync(model, last=m == accum_steps - 1):
             terms = token_losses(mb)
-            w = token_weights(
-                mb_mask, group_ids[mb], denominator, counts,
-                world_size=world_size, accum_steps=accum_steps, dtype=terms.loss.dtype,
-            )
-            loss = (rank_weights(w, world_size, grad_reduction) * torch.where(mb_mask, terms.loss, 0.0)).sum()
+            loss, w = microbatch_loss(terms.loss, mb_mask, group_ids[mb], denominator, counts,
+                                      world_size=world_size, accum_steps=accum_steps)
             loss.backward()
         sums += stat_sums(w, mb_mask, terms)
-    return counts, sums
+    return sums

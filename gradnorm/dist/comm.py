@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradnorm.denominators import Counts
+from gradnorm.denominators import Counts, Denominator, needs_global_counts, rank_count_vector
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,21 @@ def barrier() -> None:
         dist.barrier()
 
 
-def global_counts(local_counts: Tensor) -> Counts:
+def global_counts(
+    microbatches: Sequence[Tensor], lengths: Tensor, group_ids: Tensor, num_groups: int, denominator: Denominator,
+) -> Counts | None:
     """THE collective of the fix: one all-reduce of the small int64 count vector per minibatch.
 
-    Every rank must call this once per minibatch, before its first forward pass, even a rank that
-    holds no response tokens (its vector is zeros), so no rank waits on one that skipped it.
+    Counts this rank's response tokens over all its microbatches (``microbatches[m]`` indexes
+    ``lengths`` (S,) and ``group_ids`` (S,), on the rank's device) into ``[N, S, N_0..N_{G-1}]``
+    and sums the vector over ranks. Every rank must call this once per minibatch, before its
+    first forward pass, even a rank that holds no response tokens (its vector is zeros), so no
+    rank waits on one that skipped it. ``local`` and a constant need no counts: None, and no
+    collective (the same decision on every rank, so none is left waiting).
     """
-    summed = all_reduce_sum(local_counts.clone())
+    if not needs_global_counts(denominator):
+        return None
+    summed = all_reduce_sum(rank_count_vector(microbatches, lengths, group_ids, num_groups))
     return Counts.from_vector(summed.cpu())
 
 

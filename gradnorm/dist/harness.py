@@ -2,13 +2,15 @@
 
 ``run_ddp(world_size, cases)`` spawns W processes with ``torch.multiprocessing``; each builds the
 same small policy and the same ragged GRPO minibatch (``gradnorm.toy.make_problem``), wraps the policy in DDP
-and runs ``gradnorm.update.accumulate_gradients`` for every case (denominator, A, sharding),
+and runs the trainer's step (``dist.comm.global_counts``, then
+``gradnorm.update.accumulate_gradients``) for every case (denominator, A, sharding),
 counting the collectives it issues. The reduced gradient of every case comes back to the caller,
 to be compared with a single-process full-batch oracle (tests, notebook 02).
 ``run_ddp(..., parallel="fsdp")`` wraps the policy in FSDP2 (``fully_shard``) instead; each rank
 then holds a shard of the gradient, and the full one is gathered before it is returned.
 
-The worker lives here, importable, because spawned processes must import it by name.
+``spawn_gloo(fn, world_size, ...)`` is the one launcher of spawned gloo workers (the benchmarks use
+it too); the workers live here, importable, because spawned processes must import them by name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -79,30 +82,21 @@ def _wrap(policy: TinyPolicy, parallel_kind: str) -> nn.Module:
     return nn.parallel.DistributedDataParallel(policy)
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[Case], dtype: torch.dtype, out_dir: str,
-            parallel_kind: str = "ddp") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # W processes share few cores
-    ctx = comm.setup(backend="gloo", device="cpu", timeout_s=120)
-    try:
-        wrapped = _wrap(make_policy(0, dtype), parallel_kind)
-        grads, collectives = [], []
-        for case in cases:
-            problem = make_problem(lengths=case.lengths, dtype=dtype)
-            plan = make_plan(case.shard, problem.lengths, world_size, case.accum_steps)
-            wrapped.zero_grad(set_to_none=True)
-            with count_collectives() as calls:
-                accumulate_gradients(
-                    wrapped, plan[ctx.rank], problem.mask, problem.group_ids, problem.num_groups,
-                    case.denominator, lambda idx: token_losses(wrapped, problem, idx), world_size,
-                )
-            grads.append(flat_grad(wrapped))  # FSDP2: gathers every rank's shard (a collective)
-            collectives.append(calls["n"])
-        torch.save({"grads": torch.stack(grads), "collectives": torch.tensor(collectives)},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        comm.teardown()
+def _case_results(ctx: comm.DistContext, cases: list[Case], dtype: torch.dtype, parallel_kind: str) -> dict[str, Tensor]:
+    wrapped = _wrap(make_policy(0, dtype), parallel_kind)
+    grads, collectives = [], []
+    for case in cases:
+        problem = make_problem(lengths=case.lengths, dtype=dtype)
+        plan = make_plan(case.shard, problem.lengths, ctx.world_size, case.accum_steps)
+        wrapped.zero_grad(set_to_none=True)
+        with count_collectives() as calls:
+            counts = comm.global_counts(plan[ctx.rank], problem.lengths, problem.group_ids, problem.num_groups,
+                                        case.denominator)
+            accumulate_gradients(wrapped, plan[ctx.rank], problem.mask, problem.group_ids, counts,
+                                 case.denominator, lambda idx: token_losses(wrapped, problem, idx), ctx.world_size)
+        grads.append(flat_grad(wrapped))  # FSDP2: gathers every rank's shard (a collective)
+        collectives.append(calls["n"])
+    return {"grads": torch.stack(grads), "collectives": torch.tensor(collectives)}
 
 
 def free_port() -> int:
@@ -110,6 +104,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _spawned(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # W processes share few cores
+    ctx = comm.setup(backend="gloo", device="cpu", timeout_s=300)
+    try:
+        torch.save(fn(ctx, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        comm.teardown()
+
+
+def spawn_gloo(fn: Callable, world_size: int, *args) -> list:
+    """Run ``fn(ctx, *args)`` on ``world_size`` spawned gloo processes; return each rank's result.
+
+    ``fn`` must be importable by name (a module-level function) and return tensors, numbers,
+    strings, lists or dicts of them: results travel through ``torch.save`` and come back through
+    ``torch.load(weights_only=True)``.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_spawned, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
 
 
 def run_ddp(world_size: int, cases: list[Case], dtype: torch.dtype = torch.float64,
@@ -123,7 +140,4 @@ def run_ddp(world_size: int, cases: list[Case], dtype: torch.dtype = torch.float
     inside torch, not through the ``torch.distributed`` names patched here (as DDP's all-reduce
     runs in C++), so the count stays what gradnorm adds (tests/test_fsdp.py checks it).
     """
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), cases, dtype, out_dir, parallel),
-                 nprocs=world_size, join=True)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
+    return spawn_gloo(_case_results, world_size, cases, dtype, parallel)

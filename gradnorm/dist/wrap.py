@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradnorm.dist.comm import DistContext
 
 ParallelKind = Literal["ddp", "fsdp"]
-PARALLEL_KINDS: tuple[str, ...] = ("ddp", "fsdp")
+PARALLEL_KINDS: tuple[str, ...] = get_args(ParallelKind)
 
 
 def _fully_shard():
@@ -156,18 +156,6 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(inner, options=_full_options(cpu_offload=True))
-
-
-def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Load a full state dict (from ``full_state_dict``) into a plain, DDP or FSDP2 model."""
-    inner = unwrap(model)
-    if not is_fsdp(inner):
-        inner.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    # A copy: set_model_state_dict replaces the dict's values with sharded DTensors in place.
-    set_model_state_dict(inner, dict(state), options=_full_options())
 
 
 def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:

@@ -1,8 +1,8 @@
 """The GPU check: short NCCL trainings on one GPU, printed as a markdown table of tokens/s and memory.
 
-    python -m gradnorm.gpu_check                 # on a CUDA machine, a few minutes
-    python -m gradnorm.gpu_check --nproc 8       # the same on 8 GPUs of one node
-    python -m gradnorm.gpu_check --allow-cpu     # exercise the script itself on CPU (gloo, fp32)
+    python benchmarks/gpu_check.py              # on a CUDA machine, a few minutes
+    python benchmarks/gpu_check.py --nproc 8     # the same on 8 GPUs of one node
+    python benchmarks/gpu_check.py --allow-cpu   # exercise the script itself on CPU (gloo, fp32)
 
 Each row is one real launch of ``torchrun --standalone --nproc_per_node=N gradnorm/train.py``
 (NCCL, bf16 autocast, no warm-up) for a few GRPO steps; its ``metrics.jsonl`` gives the numbers:

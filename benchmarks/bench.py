@@ -1,8 +1,8 @@
 """Benchmarks: what correct normalization costs, and how fast the pieces run.
 
-    python -m gradnorm.bench                 # full run, a few minutes on 2 cores
-    python -m gradnorm.bench --quick         # a smoke-sized run
-    python -m gradnorm.bench --out DIR       # where results.md and results.json go
+    python benchmarks/bench.py               # full run, a few minutes on 2 cores (make bench)
+    python benchmarks/bench.py --quick       # a smoke-sized run
+    python benchmarks/bench.py --out DIR     # where results.md and results.json go
 
 Every comparison is measured side by side in one run: the modes of a table are interleaved
 round-robin (rotating the order each round) on the same ranks, so a noisy neighbour slows them
@@ -25,22 +25,22 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from gradnorm.dist import comm
+from gradnorm.dist import comm, wrap
 from gradnorm.denominators import parse_denominator
-from gradnorm.dist.harness import count_collectives, free_port
+from gradnorm.dist.harness import count_collectives, spawn_gloo
 from gradnorm.grpo import grpo_token_losses
 from gradnorm.sharding import make_plan
 from gradnorm.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs
 from gradnorm.update import accumulate_gradients
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MODES = ["local", "token", "sequence", "group", "256"]
 
@@ -76,7 +76,7 @@ def _time_steps(model, optimizer, setup: StepSetup, modes: list[str], rounds: in
     """Interleaved, rotated rounds of one optimizer step per mode; per-mode seconds and collectives."""
     tokens, mask, groups, advantages = _synthetic_batch(setup)
     plan = make_plan(setup.shard, mask.sum(-1), world_size, setup.accum_steps)[rank]
-    module = model.module if hasattr(model, "module") else model
+    module = wrap.unwrap(model)
     with torch.no_grad():
         old_logp, _ = response_logprobs(module, tokens, setup.prompt_len)
 
@@ -92,8 +92,9 @@ def _time_steps(model, optimizer, setup: StepSetup, modes: list[str], rounds: in
             comm.barrier()
             start = time.perf_counter()
             with count_collectives() as calls:
-                accumulate_gradients(model, plan, mask, groups, setup.num_groups, parse_denominator(mode),
-                                     token_losses, world_size)
+                denominator = parse_denominator(mode)
+                counts = comm.global_counts(plan, mask.sum(-1), groups, setup.num_groups, denominator)
+                accumulate_gradients(model, plan, mask, groups, counts, denominator, token_losses, world_size)
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -104,33 +105,22 @@ def _time_steps(model, optimizer, setup: StepSetup, modes: list[str], rounds: in
     return times, collectives
 
 
-def _step_worker(rank: int, world_size: int, port: int, jobs: list[tuple[str, StepSetup, list[str], int]],
-                 out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    comm.setup(backend="gloo", device="cpu", timeout_s=300)
-    try:
-        results = {}
-        for name, setup, modes, rounds in jobs:
-            torch.manual_seed(0)
-            config = GPTConfig(vocab_size=setup.vocab, block_size=setup.prompt_len + setup.max_response,
-                               n_layer=setup.n_layer, n_embd=setup.n_embd)
-            model = nn.parallel.DistributedDataParallel(TinyGPT(config))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            times, collectives = _time_steps(model, optimizer, setup, modes, rounds, world_size, rank)
-            results[name] = {"times": times, "collectives": collectives}
-        if rank == 0:
-            Path(out_dir, "steps.json").write_text(json.dumps(results))
-    finally:
-        comm.teardown()
+def _step_jobs(ctx: comm.DistContext, jobs: list[tuple[str, StepSetup, list[str], int]]) -> dict:
+    results = {}
+    for name, setup, modes, rounds in jobs:
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=setup.vocab, block_size=setup.prompt_len + setup.max_response,
+                           n_layer=setup.n_layer, n_embd=setup.n_embd)
+        model = wrap.wrap_policy(TinyGPT(config), "ddp", ctx)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        times, collectives = _time_steps(model, optimizer, setup, modes, rounds, ctx.world_size, ctx.rank)
+        results[name] = {"times": times, "collectives": collectives}
+    return results
 
 
 def run_step_jobs(world_size: int, jobs) -> dict:
     """Run timing jobs on ``world_size`` spawned gloo ranks; rank 0's measurements."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_step_worker, args=(world_size, free_port(), jobs, out_dir), nprocs=world_size, join=True)
-        return json.loads(Path(out_dir, "steps.json").read_text())
+    return spawn_gloo(_step_jobs, world_size, jobs)[0]
 
 
 def _summary(samples: list[float]) -> dict:
@@ -242,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print("[4/4] widget callbacks and notebooks...", flush=True)
     report["widgets"] = bench_widgets(3 if args.quick else 20)
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     if not args.skip_notebooks and (root / "notebooks").is_dir():
         report["notebooks"] = bench_notebooks(root)
 
