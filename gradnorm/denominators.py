@@ -26,7 +26,7 @@ averaged over is empty, and then there is nothing to weight.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -201,3 +201,15 @@ def rank_weights(weights: Tensor, world_size: int, grad_reduction: Literal["mean
     if grad_reduction == "sum":
         return weights
     raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+
+
+def mask_from_lengths(lengths: Tensor | Sequence[int], max_len: int | None = None) -> Tensor:
+    """M (S, T) bool from response lengths alone: True on the first |o_i| positions of row i.
+
+    T is ``max_len``, or the longest length (at least 1) when omitted. Not to be confused with
+    ``rollout.response_mask``, which finds each response's end from its sampled EOS token; this
+    mask is for responses whose lengths are given (the toy problem, the notebooks' minibatches).
+    """
+    lengths = torch.as_tensor(lengths)
+    max_len = max(int(lengths.max()), 1) if max_len is None else max_len
+    return torch.arange(max_len, device=lengths.device) < lengths.unsqueeze(-1)  # (S, T)
