@@ -17,3 +17,14 @@ def test_resolve_and_dr_grpo_constant():
     assert modes.resolve("token", 16, 64) == "token"
     with pytest.raises(ValueError):
         modes.resolve("mean", 16, 64)
+
+
+def test_every_table_keyed_by_mode_or_sharding_covers_its_vocabulary():
+    pytest.importorskip("matplotlib")
+    from gradnorm import plotting
+    from gradnorm.sharding import SHARD_KINDS
+    from gradnorm.sweeps import DPO_MODES
+
+    assert set(modes.MODE_NAMES) | set(DPO_MODES) <= set(plotting.MODE_COLORS)
+    assert set(DPO_MODES.values()) <= set(MODES)
+    assert set(plotting.SHARD_STYLES) == set(SHARD_KINDS)
