@@ -12,6 +12,14 @@ and the modes differ only in ``w``. The package is laid out as DESIGN.md describ
 - ``sharding``      explicit assignments of sequences to ranks and microbatches
 - ``simulate``      the same weights and gradients for W simulated ranks inside one process
 - ``equivalence``   the multi-process gloo check that the real thing equals the oracle
+- ``toy``           the tiny policy and ragged GRPO minibatch that notebooks, figures and tests share
+- ``modes``         the notebooks' mode names: the core's modes plus Dr GRPO's "constant"
+- ``imbalance``     notebook 01: a laid-out minibatch, per-token weights, rank shares
+- ``sweeps``        notebooks 02 and 05: GRPO, SFT and DPO gradients against the full batch
+- ``lengthbias``    notebook 04: how each exact denominator weighs long and short responses
+- ``runs``          reading training runs (metrics.jsonl, trailing averages)
+- ``plotting``, ``lengthplots``, ``widgets``   drawing on a given Axes, sliders wired to it
+- ``dist.launch``, ``dist.checks``   the notebooks' torchrun runs and real gloo checks
 """
 
 from gradnorm.denominators import (
