@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from gradnorm.dist import comm, wrap
-from gradnorm.denominators import parse_denominator
+from gradnorm.denominators import mask_from_lengths, parse_denominator
 from gradnorm.dist.harness import count_collectives, spawn_gloo
 from gradnorm.grpo import grpo_token_losses
 from gradnorm.sharding import make_plan
@@ -66,7 +66,7 @@ def _synthetic_batch(setup: StepSetup, seed: int = 0):
     num_seq = setup.num_groups * setup.group_size
     tokens = torch.randint(setup.vocab, (num_seq, setup.prompt_len + setup.max_response), generator=g)
     lengths = torch.randint(1, setup.max_response + 1, (num_seq,), generator=g)
-    mask = torch.arange(setup.max_response) < lengths.unsqueeze(-1)
+    mask = mask_from_lengths(lengths, setup.max_response)
     groups = torch.arange(num_seq) // setup.group_size
     advantages = torch.randn(num_seq, generator=g)
     return tokens, mask, groups, advantages
@@ -278,7 +278,7 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| W={world_size}, same global batch | {row['local']['median_ms']:.2f} |"
                      f" {row['token']['median_ms']:.2f} | {row['token']['median_ms'] / row['local']['median_ms']:.3f} |")
     lines += ["", "## 4. Notebooks and widgets", "",
-              "One widget callback: set the slider, recompute from `gradnorm.analysis`, redraw, encode the PNG"
+              "One widget callback: set the slider, recompute from the teaching modules (`gradnorm.imbalance`, `gradnorm.lengthbias`), redraw, encode the PNG"
               " (goal: under 50 ms).", "",
               "| view | median (ms) | p10-p90 (ms) | with tight_layout on every redraw (ms) | speed-up |",
               "|---|---|---|---|---|"]

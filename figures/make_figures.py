@@ -3,10 +3,11 @@
     python figures/make_figures.py            # writes figures/*.png next to this file
     python figures/make_figures.py --out DIR  # somewhere else
 
-Each ``figure_*`` function builds one figure from ``gradnorm.analysis`` and ``gradnorm.plotting``
-(the widget views through the very explorers the notebooks show, at their default settings) and
-returns ``(Figure, data)``: ``tests/test_figures.py`` checks the data, never the pixels. Everything
-is computed from fixed inputs and seeds, and the PNGs carry no timestamp or version metadata.
+Each ``figure_*`` function builds one figure from the library's data (``gradnorm.imbalance``,
+``sweeps``, ``lengthbias``) drawn by ``gradnorm.plotting`` and ``lengthplots`` (the widget views
+through the very explorers the notebooks show, at their default settings) and returns
+``(Figure, data)``: ``tests/test_figures.py`` checks the data, never the pixels. Everything is
+computed from fixed inputs and seeds, and the PNGs carry no timestamp or version metadata.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from gradnorm import analysis, plotting, widgets  # noqa: E402
+from gradnorm import lengthplots, plotting, widgets  # noqa: E402
+from gradnorm.imbalance import share_sweep, worked_example_minibatch  # noqa: E402
+from gradnorm.lengthbias import batch_dependence, length_weights, staircase_lengths  # noqa: E402
+from gradnorm.sweeps import gradient_sweep  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DPI = 100
@@ -34,7 +38,7 @@ GRADIENT_IMBALANCES = [1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12]
 def figure_worked_example() -> tuple[Figure, dict]:
     """01: the seed example (2 ranks x 2 microbatches, tokens 3, 14 | 12, 12): weights and shares."""
     fig = Figure(figsize=(13, 3.8))
-    artists = plotting.imbalance_view(fig, analysis.worked_example_minibatch())
+    artists = plotting.imbalance_view(fig, worked_example_minibatch())
     return fig, {"shares": artists["shares"], "layout": artists["layout"]}
 
 
@@ -48,7 +52,7 @@ def figure_token_imbalance() -> tuple[Figure, dict]:
 def figure_share_vs_imbalance() -> tuple[Figure, dict]:
     """01: rank 0's share of the update under local and token as the short microbatch shrinks."""
     fig = Figure(figsize=(6.5, 3.8))
-    sweep = analysis.share_sweep(SHARE_IMBALANCES, 2, 2, full_length=widgets.FULL_LENGTH)
+    sweep = share_sweep(SHARE_IMBALANCES, 2, 2, full_length=widgets.FULL_LENGTH)
     plotting.plot_share_sweep(fig.subplots(), sweep)
     fig.tight_layout()
     return fig, {"sweep": sweep}
@@ -58,7 +62,7 @@ def figure_gradient_error() -> tuple[Figure, dict]:
     """02: every mode's gradient against the full batch (length sharding), and local per sharding."""
     fig = Figure(figsize=(15, 4))
     ax_error, ax_cosine, ax_shard = fig.subplots(1, 3)
-    sweeps = {shard: analysis.gradient_sweep(GRADIENT_IMBALANCES, shard=shard, seed=SEED)
+    sweeps = {shard: gradient_sweep(GRADIENT_IMBALANCES, shard=shard, seed=SEED)
               for shard in ("length", "contiguous", "interleave", "balanced")}
     plotting.plot_gradient_sweep(ax_error, ax_cosine, sweeps["length"])
     plotting.plot_sharding_comparison(ax_shard, sweeps)
@@ -75,8 +79,8 @@ def figure_gradient_explorer() -> tuple[Figure, dict]:
 def figure_length_weights() -> tuple[Figure, dict]:
     """04: per-token weight and share of the update against response length, and per prompt."""
     fig = Figure(figsize=(15, 4))
-    view = analysis.length_weights(analysis.staircase_lengths(), group_size=4, max_new_tokens=64)
-    plotting.length_weights_view(fig, view)
+    view = length_weights(staircase_lengths(), group_size=4, max_new_tokens=64)
+    lengthplots.length_weights_view(fig, view)
     return fig, {"view": view}
 
 
@@ -89,8 +93,8 @@ def figure_correct_vs_wrong() -> tuple[Figure, dict]:
 def figure_batch_dependence() -> tuple[Figure, dict]:
     """04: does a response's per-token weight depend on the other responses of its minibatch?"""
     fig = Figure(figsize=(7, 4))
-    view = analysis.batch_dependence(np.arange(4, 65, 4), own_length=16, max_new_tokens=64)
-    plotting.plot_batch_dependence(fig.subplots(), view)
+    view = batch_dependence(np.arange(4, 65, 4), own_length=16, max_new_tokens=64)
+    lengthplots.plot_batch_dependence(fig.subplots(), view)
     fig.tight_layout()
     return fig, {"view": view}
 

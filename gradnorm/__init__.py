@@ -24,7 +24,14 @@ Trainer
   ``prompts``, ``checkpointing``: ``torchrun gradnorm/train.py`` and what it is built from
 
 Teaching (notebooks and figures)
-- ``plotting``, ``widgets``, ``curves``, ``worked_example`` and the data modules they draw
+- ``modes``         the notebooks' mode names: the core's modes plus Dr GRPO's "constant"
+- ``imbalance``     notebook 01: a laid-out minibatch, per-token weights, rank shares
+- ``sweeps``        notebooks 02 and 05: GRPO, SFT and DPO gradients against the full batch
+- ``lengthbias``    notebook 04: how each exact denominator weighs long and short responses
+- ``runs``          reading training runs (metrics.jsonl, trailing averages)
+- ``plotting``, ``lengthplots``, ``widgets``, ``curves``, ``worked_example``: drawing on a
+                    given Axes, sliders wired to it, the learning curve, the worked example
+- ``dist.launch``, ``dist.checks``: the notebooks' torchrun runs and real gloo checks
 """
 
 from gradnorm.denominators import (

@@ -2,7 +2,8 @@
 
 ``plot_learning_curve(ax, metrics, warmup)`` draws on a matplotlib Axes you pass (notebooks,
 figure scripts); ``write_learning_curve(output_dir)`` is what the trainer calls at the end. It uses
-matplotlib's object API with the Agg canvas, so it never needs a display.
+matplotlib's object API with the Agg canvas, so it never needs a display. The rows are read and
+averaged by ``gradnorm.runs`` (``read_metrics``, ``moving_average``), as the notebooks read them.
 """
 
 from __future__ import annotations
@@ -11,22 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """One dict per optimizer step, in file order."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    """Mean of the last ``window`` values at each position (fewer at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
+from gradnorm.runs import moving_average, read_metrics
 
 
 def plot_learning_curve(ax, metrics: list[dict[str, Any]], warmup: dict[str, Any] | None = None, window: int = 10):

@@ -228,3 +228,15 @@ def microbatch_loss(
     w = token_weights(mb_mask, mb_group_ids, denominator, counts,
                       world_size=world_size, accum_steps=accum_steps, dtype=mb_token_loss.dtype)
     return (rank_weights(w, world_size) * torch.where(mb_mask, mb_token_loss, 0.0)).sum(), w
+
+
+def mask_from_lengths(lengths: Tensor | Sequence[int], max_len: int | None = None) -> Tensor:
+    """M (S, T) bool from response lengths alone: True on the first |o_i| positions of row i.
+
+    T is ``max_len``, or the longest length (at least 1) when omitted. Not to be confused with
+    ``rollout.response_mask``, which finds each response's end from its sampled EOS token; this
+    mask is for responses whose lengths are given (the toy problem, the notebooks' minibatches).
+    """
+    lengths = torch.as_tensor(lengths)
+    max_len = max(int(lengths.max()), 1) if max_len is None else max_len
+    return torch.arange(max_len, device=lengths.device) < lengths.unsqueeze(-1)  # (S, T)

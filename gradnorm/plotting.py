@@ -1,4 +1,8 @@
-"""Drawing the data of ``gradnorm.analysis`` on matplotlib Axes that the caller owns.
+"""Drawing token imbalance, gradient sweeps and training runs on matplotlib Axes the caller owns.
+
+Notebooks 01, 02, 03 and 05: the data of ``gradnorm.imbalance``, ``gradnorm.sweeps`` and
+``gradnorm.runs``. The length-bias views of notebook 04 are in ``gradnorm.lengthplots``, which
+shares the colours and labels defined here.
 
 Every function takes an ``Axes`` (or a ``Figure`` for the multi-panel views), draws, and returns
 the artists it made, so tests can read bar heights and line data instead of pixels. Nothing here
@@ -16,7 +20,10 @@ from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from gradnorm import analysis
+from gradnorm.imbalance import Layout, Minibatch, RankShares, ShareSweep, batch_rank_shares, token_layout
+from gradnorm.modes import PAPER_OF_MODE
+from gradnorm.runs import TrainingRun, moving_average
+from gradnorm.sweeps import GradientSweep
 
 MODE_COLORS = {"local": "#d62728", "token": "#1f77b4", "sequence": "#ff7f0e", "group": "#2ca02c",
                "constant": "#9467bd", "global": "#1f77b4"}  # global: DPO's mean over all pairs
@@ -26,7 +33,7 @@ RANK_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
 
 def mode_label(mode: str) -> str:
     """'sequence (DeepSeekMath GRPO)': the mode and who uses it."""
-    return f"{mode} ({analysis.PAPER_OF_MODE[mode]})" if mode in ("sequence", "token", "constant") else mode
+    return f"{mode} ({PAPER_OF_MODE[mode]})" if mode in ("sequence", "token", "constant") else mode
 
 
 def rank_color(rank: int) -> str:
@@ -39,7 +46,7 @@ def rank_color(rank: int) -> str:
 
 
 def plot_token_weights(
-    ax: Axes, layout: analysis.Layout, title: str | None = None, ymax: float | None = None
+    ax: Axes, layout: Layout, title: str | None = None, ymax: float | None = None
 ) -> BarContainer:
     """One bar per sequence: width |o_i| tokens, height the weight w of each of its tokens.
 
@@ -70,7 +77,7 @@ def plot_token_weights(
     return bars
 
 
-def plot_rank_shares(ax: Axes, shares: dict[str, analysis.RankShares]) -> dict[str, BarContainer]:
+def plot_rank_shares(ax: Axes, shares: dict[str, RankShares]) -> dict[str, BarContainer]:
     """Per rank: its share of the tokens (grey) next to its share of the update under each mode.
 
     Returns {"tokens": bars, mode: bars, ...}, one bar per rank in each.
@@ -92,7 +99,7 @@ def plot_rank_shares(ax: Axes, shares: dict[str, analysis.RankShares]) -> dict[s
 
 
 def imbalance_view(
-    fig: Figure, batch: analysis.Minibatch, modes: Sequence[str] = ("local", "token"), tight: bool = True
+    fig: Figure, batch: Minibatch, modes: Sequence[str] = ("local", "token"), tight: bool = True
 ) -> dict:
     """The whole picture of notebook 01 on ``fig``: per-token weights under each mode, rank shares.
 
@@ -100,12 +107,12 @@ def imbalance_view(
     "share_bars": {...}} for tests and readouts.
     """
     axes = fig.subplots(1, len(modes) + 1, gridspec_kw={"width_ratios": [1.4] * len(modes) + [1]})
-    layouts = {m: analysis.token_layout(batch, m) for m in modes}
+    layouts = {m: token_layout(batch, m) for m in modes}
     ymax = 1.1 * max(float(lay.weight.max()) for lay in layouts.values())
     weights = {}
     for ax, m in zip(axes, modes):
         weights[m] = plot_token_weights(ax, layouts[m], title=f"{m}: weight of each token", ymax=ymax)
-    shares = {m: analysis.batch_rank_shares(batch, m) for m in modes}
+    shares = {m: batch_rank_shares(batch, m) for m in modes}
     share_bars = plot_rank_shares(axes[-1], shares)
     axes[-1].set_title("each rank's share")
     if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
@@ -113,7 +120,7 @@ def imbalance_view(
     return {"layout": layouts, "weights": weights, "shares": shares, "share_bars": share_bars}
 
 
-def plot_share_sweep(ax: Axes, sweep: analysis.ShareSweep) -> dict[str, Line2D]:
+def plot_share_sweep(ax: Axes, sweep: ShareSweep) -> dict[str, Line2D]:
     """Rank 0's share of the update under each mode, and of the tokens, against the imbalance."""
     out = {"tokens": ax.plot(sweep.imbalance, sweep.token_share, color=TOKENS_COLOR, lw=4, alpha=0.6,
                              label="rank 0's share of the tokens")[0]}
@@ -152,7 +159,7 @@ IMBALANCE_LABEL = {"tokens": "imbalance: longest / shortest response",
 
 
 def plot_gradient_sweep(
-    ax_error: Axes, ax_cosine: Axes, sweep: analysis.GradientSweep, modes: Sequence[str] | None = None,
+    ax_error: Axes, ax_cosine: Axes, sweep: GradientSweep, modes: Sequence[str] | None = None,
     marker_at: float | None = None,
 ) -> dict[str, tuple[Line2D, Line2D]]:
     """Relative error and cosine similarity against the full-batch gradient, per mode.
@@ -185,7 +192,7 @@ def plot_gradient_sweep(
 
 
 def plot_sharding_comparison(
-    ax: Axes, sweeps: dict[str, analysis.GradientSweep], mode: str = "local"
+    ax: Axes, sweeps: dict[str, GradientSweep], mode: str = "local"
 ) -> dict[str, Line2D]:
     """One mode's relative error against the imbalance, one line per sharding."""
     out = {}
@@ -201,7 +208,7 @@ def plot_sharding_comparison(
 
 
 def gradient_view(
-    fig: Figure, sweep: analysis.GradientSweep, mode: str, imbalance: float, tight: bool = True
+    fig: Figure, sweep: GradientSweep, mode: str, imbalance: float, tight: bool = True
 ) -> dict:
     """Notebook 02's explorer: microbatch tokens at one imbalance, one mode's error and cosine."""
     ax_tokens, ax_error, ax_cosine = fig.subplots(1, 3)
@@ -215,115 +222,7 @@ def gradient_view(
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Length bias
-# ---------------------------------------------------------------------------------------------
-
-
-def plot_length_weights(
-    ax_token: Axes, ax_share: Axes, view: analysis.LengthWeights
-) -> dict[str, tuple[Line2D, Line2D]]:
-    """Per-token weight (times N, so ``token`` reads 1) and share of the update against length."""
-    order = np.argsort(view.lengths, kind="stable")
-    n_tokens = view.lengths.sum()
-    out = {}
-    for mode in view.token_weight:
-        style = {"color": MODE_COLORS[mode], "marker": "o", "ms": 4, "label": mode_label(mode)}
-        if mode == "token":  # wide and pale, so that the constant's line (same shares) shows on top
-            style.update(lw=5, alpha=0.45)
-        if mode == "group":  # not a function of length alone: it depends on the response's prompt group
-            style["ls"] = "none"
-        out[mode] = (ax_token.plot(view.lengths[order], view.token_weight[mode][order] * n_tokens, **style)[0],
-                     ax_share.plot(view.lengths[order], view.share(mode)[order], **style)[0])
-    ax_token.set_title("weight of one token (x N)")
-    ax_token.set_xlabel("response length |o_i|")
-    ax_token.set_ylabel("w x N  (token mode = 1)")
-    ax_share.set_title("the response's share of the update")
-    ax_share.set_xlabel("response length |o_i|")
-    ax_share.set_ylabel("|o_i| w / sum of all weights")
-    ax_token.legend(fontsize="small")
-    return out
-
-
-def plot_group_shares(ax: Axes, view: analysis.LengthWeights) -> dict[str, BarContainer]:
-    """Each prompt group's share of the update under each mode (grouped bars, one per group)."""
-    modes = list(view.token_weight)
-    num_groups = int(view.group_ids.max()) + 1
-    width = 0.8 / len(modes)
-    x = np.arange(num_groups)
-    out = {}
-    for k, mode in enumerate(modes):
-        out[mode] = ax.bar(x + k * width, view.group_share(mode), width, color=MODE_COLORS[mode], label=mode)
-    tokens = np.bincount(view.group_ids, weights=view.lengths).astype(int)
-    ax.set_xticks(x + width * (len(modes) - 1) / 2, [f"prompt {g}\n{t} tokens" for g, t in enumerate(tokens)])
-    ax.set_ylabel("share of the update")
-    ax.set_title("each prompt group's share", fontsize="medium")
-    ax.legend(fontsize="small")
-    return out
-
-
-def length_weights_view(fig: Figure, view: analysis.LengthWeights, tight: bool = True) -> dict:
-    """Notebook 04's first picture: weight per token and per response against length, per prompt."""
-    ax_token, ax_share, ax_groups = fig.subplots(1, 3)
-    lines = plot_length_weights(ax_token, ax_share, view)
-    groups = plot_group_shares(ax_groups, view)
-    if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
-        fig.tight_layout()
-    return {"lines": lines, "groups": groups}
-
-
-def plot_correct_vs_wrong(ax_push: Axes, ax_share: Axes, view: analysis.CorrectVsWrong) -> dict[str, BarContainer]:
-    """Left: the push on one correct token (up) and one wrong token (down), in units of 1/N.
-    Right: how the update's total |push| splits between correct and wrong responses.
-
-    Returns {"correct": bars, "wrong": bars, "share_correct": bars, "share_wrong": bars}, one bar
-    per mode in ``view``'s order.
-    """
-    modes = list(view.push_per_token)
-    x = np.arange(len(modes))
-    colors = [MODE_COLORS[m] for m in modes]
-    correct = ax_push.bar(x, [view.push_per_token[m][0] for m in modes], 0.6, color=colors)
-    wrong = ax_push.bar(x, [view.push_per_token[m][1] for m in modes], 0.6, color=colors, alpha=0.45, hatch="//")
-    ax_push.axhline(0, color="black", lw=0.8)
-    ax_push.set_xticks(x, modes)
-    ax_push.set_ylabel("w x A x N")
-    ax_push.set_title(f"push on one token: correct ({view.correct_len} tok) up,\n"
-                      f"wrong ({view.wrong_len} tok) down", fontsize="medium")
-    share_c = ax_share.bar(x, [view.update_share[m][0] for m in modes], 0.6, color=colors, label="correct responses")
-    share_w = ax_share.bar(x, [view.update_share[m][1] for m in modes], 0.6, bottom=share_c.datavalues,
-                           color=colors, alpha=0.45, hatch="//", label="wrong responses")
-    ax_share.set_xticks(x, modes)
-    ax_share.set_ylim(0, 1)
-    ax_share.set_ylabel("share of sum |push|")
-    ax_share.set_title(f"{view.num_correct} correct / {view.group_size - view.num_correct} wrong: "
-                       "who gets the update", fontsize="medium")
-    ax_share.legend(fontsize="small", loc="lower right")
-    return {"correct": correct, "wrong": wrong, "share_correct": share_c, "share_wrong": share_w}
-
-
-def correct_vs_wrong_view(fig: Figure, view: analysis.CorrectVsWrong, tight: bool = True) -> dict:
-    """Notebook 04's explorer on ``fig``."""
-    ax_push, ax_share = fig.subplots(1, 2)
-    out = plot_correct_vs_wrong(ax_push, ax_share, view)
-    if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
-        fig.tight_layout()
-    return out
-
-
-def plot_batch_dependence(ax: Axes, view: analysis.BatchDependence) -> dict[str, Line2D]:
-    """The per-token weight of one fixed response against the length of every other response."""
-    out = {}
-    for mode, w in view.token_weight.items():
-        out[mode] = ax.plot(view.other_length, w, color=MODE_COLORS[mode], marker="o", ms=3, label=mode_label(mode))[0]
-    ax.set_yscale("log")
-    ax.set_xlabel("length of every other response in the minibatch")
-    ax.set_ylabel("weight of one token of the fixed response")
-    ax.set_title(f"a response of {view.own_length} tokens: does its weight depend on the others?", fontsize="medium")
-    ax.legend(fontsize="small")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# 5. Training runs
+# 3. Training runs
 # ---------------------------------------------------------------------------------------------
 
 TRAINING_PANELS = {"reward_mean": "mean reward", "response_len_mean": "mean response length (tokens)",
@@ -332,7 +231,7 @@ SHARD_STYLES = {"length": "-", "balanced": "--", "interleave": ":", "contiguous"
 
 
 def plot_training_runs(
-    axes: Sequence[Axes], runs: Sequence[analysis.TrainingRun], keys: Sequence[str] = tuple(TRAINING_PANELS),
+    axes: Sequence[Axes], runs: Sequence[TrainingRun], keys: Sequence[str] = tuple(TRAINING_PANELS),
     window: int = 10,
 ) -> dict[str, list[Line2D]]:
     """One panel per logged metric: each run's raw values (thin) and trailing average (thick).
@@ -346,7 +245,7 @@ def plot_training_runs(
         out[run.label] = []
         for ax, key in zip(axes, keys):
             ax.plot(run.steps, run.series(key), color=color, ls=style, lw=0.7, alpha=0.3)
-            out[run.label].append(ax.plot(run.steps, analysis.moving_average(run.series(key), window), color=color,
+            out[run.label].append(ax.plot(run.steps, moving_average(run.series(key), window), color=color,
                                           ls=style, lw=2, label=run.label)[0])
     for ax, key in zip(axes, keys):
         ax.set_title(TRAINING_PANELS.get(key, key), fontsize="medium")
@@ -355,12 +254,12 @@ def plot_training_runs(
     return out
 
 
-def plot_rank_token_share(ax: Axes, runs: Sequence[analysis.TrainingRun], world_size: int, window: int = 10) -> dict:
+def plot_rank_token_share(ax: Axes, runs: Sequence[TrainingRun], world_size: int, window: int = 10) -> dict:
     """Rank 0's share of each step's tokens, next to the 1/W share of the update ``local`` gives it."""
     out = {}
     for run in runs:
         share = run.rank_token_share(0)
-        out[run.label] = ax.plot(run.steps, analysis.moving_average(share, window), ls=SHARD_STYLES.get(run.shard, "-"),
+        out[run.label] = ax.plot(run.steps, moving_average(share, window), ls=SHARD_STYLES.get(run.shard, "-"),
                                  color=TOKENS_COLOR, lw=2, label=f"rank 0's share of the tokens ({run.shard})")[0]
     out["local"] = ax.axhline(1 / world_size, color=MODE_COLORS["local"], lw=2,
                               label="rank 0's share of the update under local")

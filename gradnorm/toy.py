@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from gradnorm.denominators import mask_from_lengths
 from gradnorm.grpo import TokenLosses, group_advantages, grpo_token_losses
 
 
@@ -76,7 +77,7 @@ def make_problem(
     num_seq = len(lengths)
     inputs = torch.randint(vocab, (num_seq, max_len), generator=g)
     targets = torch.randint(vocab, (num_seq, max_len), generator=g)
-    mask = torch.arange(max_len) < torch.tensor(lengths).unsqueeze(-1)
+    mask = mask_from_lengths(torch.tensor(lengths), max_len)
     # Draw everything in float64 and round once, so a float32 problem is the float64 one rounded.
     rewards = torch.rand(num_seq, generator=g, dtype=torch.float64)
     advantages = group_advantages(rewards, group_size)

@@ -363,7 +363,8 @@ def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistCon
 
 def summarize(out: Path, plot: bool) -> None:
     """Print the run's outcome and draw its learning curve (rank 0)."""
-    from gradnorm.curves import read_metrics, write_learning_curve
+    from gradnorm.curves import write_learning_curve
+    from gradnorm.runs import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
     last = rows[-10:]

@@ -1,7 +1,8 @@
 """Sliders wired to ``gradnorm.plotting``: the notebooks' explorers, drivable without a browser.
 
 An ``Explorer`` holds the controls, a text readout and the figure rendered as a PNG image; every
-change of a control recomputes the view from ``gradnorm.analysis`` and redraws. Tests set a
+change of a control recomputes the view from ``gradnorm.imbalance``, ``gradnorm.sweeps`` or
+``gradnorm.lengthbias`` and redraws. Tests set a
 control's ``value`` (or call ``update(**values)``) and read ``artists`` (bars, lines) and
 ``readout.value``; a browser sees the image and the readout change.
 
@@ -18,8 +19,12 @@ import ipywidgets as widgets
 import numpy as np
 from matplotlib.figure import Figure
 
-from gradnorm import analysis, plotting
+from gradnorm import lengthplots, plotting
+from gradnorm.imbalance import Minibatch, imbalanced_minibatch, weight_ratio
+from gradnorm.lengthbias import correct_vs_wrong
+from gradnorm.modes import MODE_NAMES
 from gradnorm.sharding import SHARD_KINDS
+from gradnorm.sweeps import GradientSweep, gradient_sweep
 
 Draw = Callable[..., tuple[dict, str]]  # draw(fig, **values) -> (artists, readout html)
 
@@ -98,16 +103,16 @@ FULL_LENGTH = 24  # tokens per sequence in a full microbatch of the explorer (24
 
 def draw_token_imbalance(fig: Figure, world_size: int, accum_steps: int, imbalance: float) -> tuple[dict, str]:
     """Per-token weights under local and token, and rank shares, for ``imbalanced_minibatch``."""
-    batch = analysis.imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=FULL_LENGTH)
+    batch = imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=FULL_LENGTH)
     artists = plotting.imbalance_view(fig, batch, ("local", "token"), tight=False)
     artists["batch"] = batch
     return artists, describe_token_imbalance(batch, artists)
 
 
-def describe_token_imbalance(batch: analysis.Minibatch, artists: dict) -> str:
+def describe_token_imbalance(batch: Minibatch, artists: dict) -> str:
     local, token = artists["shares"]["local"], artists["shares"]["token"]
     tokens = batch.microbatch_tokens()
-    ratio = analysis.weight_ratio(artists["layout"]["local"])
+    ratio = weight_ratio(artists["layout"]["local"])
     per_mb = " | ".join(f"rank {r}: " + ", ".join(map(str, row)) for r, row in enumerate(tokens[:4]))
     more = " | ..." if len(tokens) > 4 else ""
     return (
@@ -136,19 +141,18 @@ def token_imbalance_explorer(world_size: int = 2, accum_steps: int = 2, imbalanc
 
 def gradient_explorer(
     imbalances: Sequence[float], mode: str = "local", shard: str = "length", world_size: int = 2, accum_steps: int = 2,
-    sweeps: dict[str, analysis.GradientSweep] | None = None,
+    sweeps: dict[str, GradientSweep] | None = None,
 ) -> Explorer:
     """Pick a mode, a sharding and an imbalance; see the microbatch tokens and the gradient error.
 
     Each sharding's sweep (all modes) is computed once, on first use; pass ``sweeps`` already
-    computed by ``analysis.gradient_sweep`` with the same settings to reuse them.
+    computed by ``gradnorm.sweeps.gradient_sweep`` with the same settings to reuse them.
     """
     sweeps = dict(sweeps or {})
 
     def draw(fig: Figure, mode: str, shard: str, imbalance: float) -> tuple[dict, str]:
         if shard not in sweeps:
-            sweeps[shard] = analysis.gradient_sweep(imbalances, shard=shard, world_size=world_size,
-                                                    accum_steps=accum_steps)
+            sweeps[shard] = gradient_sweep(imbalances, shard=shard, world_size=world_size, accum_steps=accum_steps)
         sweep = sweeps[shard]
         artists = plotting.gradient_view(fig, sweep, mode, imbalance, tight=False)
         artists["sweep"] = sweep
@@ -160,7 +164,7 @@ def gradient_explorer(
         return artists, text
 
     controls = {
-        "mode": widgets.Dropdown(options=list(analysis.MODE_NAMES), value=mode, description="mode"),
+        "mode": widgets.Dropdown(options=list(MODE_NAMES), value=mode, description="mode"),
         "shard": widgets.Dropdown(options=list(SHARD_KINDS), value=shard, description="sharding"),
         "imbalance": widgets.SelectionSlider(options=[float(k) for k in imbalances], value=float(imbalances[-1]),
                                              description="imbalance", continuous_update=False, style=_STYLE),
@@ -177,9 +181,9 @@ def draw_correct_vs_wrong(
     fig: Figure, correct_len: int, wrong_len: int, num_correct: int, scale_by_std: bool = True,
     group_size: int = 8, max_new_tokens: int = 64,
 ) -> tuple[dict, str]:
-    view = analysis.correct_vs_wrong(correct_len, wrong_len, num_correct, group_size,
-                                     max_new_tokens=max_new_tokens, scale_by_std=scale_by_std)
-    artists = plotting.correct_vs_wrong_view(fig, view, tight=False)
+    view = correct_vs_wrong(correct_len, wrong_len, num_correct, group_size, max_new_tokens=max_new_tokens,
+                            scale_by_std=scale_by_std)
+    artists = lengthplots.correct_vs_wrong_view(fig, view, tight=False)
     artists["view"] = view
 
     def down_vs_up(mode: str) -> float:

@@ -16,6 +16,7 @@ from fractions import Fraction
 
 import torch
 
+from gradnorm.denominators import mask_from_lengths
 from gradnorm.simulate import effective_weights
 
 LENGTHS = torch.tensor([1, 2, 6, 8, 5, 7, 8, 4])  # sequence i has LENGTHS[i] response tokens
@@ -25,7 +26,7 @@ MODES = ["local", "token", "sequence", "group", 48.0]
 
 
 def main() -> None:
-    mask = torch.arange(int(LENGTHS.max())) < LENGTHS.unsqueeze(-1)
+    mask = mask_from_lengths(LENGTHS)
     total = int(LENGTHS.sum())
     print(f"2 ranks x 2 microbatches; response tokens per microbatch: "
           f"{[[int(LENGTHS[mb].sum()) for mb in rank] for rank in PLAN]} (N = {total})\n")

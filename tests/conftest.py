@@ -49,8 +49,8 @@ def chromium_executable():
 def one_torch_thread():
     """One intra-op thread for a module, restored afterwards.
 
-    The gradients in the analysis, widget and figure tests are tiny; on a busy 2-core machine a
-    second thread makes them an order of magnitude slower.
+    The gradients in the notebook-data (imbalance, sweeps, lengthbias), widget and figure tests
+    are tiny; on a busy 2-core machine a second thread makes them an order of magnitude slower.
     """
     import torch
 

@@ -14,6 +14,7 @@ from torch.testing import assert_close
 from gradnorm.denominators import (
     Counts,
     count_tokens,
+    mask_from_lengths,
     needs_global_counts,
     parse_denominator,
     rank_weights,
@@ -152,3 +153,11 @@ def test_parse_rejects_with_a_message_naming_the_accepted_forms(value):
         parse_denominator(value)
     message = str(err.value)
     assert repr(value) in message and '"token"' in message and "positive finite number" in message
+
+
+def test_mask_from_lengths_longhand():
+    assert mask_from_lengths(LENGTHS).tolist() == [[True, False, False], [True, True, True],
+                                                   [True, True, False], [True, True, False]]
+    assert torch.equal(mask_from_lengths(LENGTHS), MASK)
+    assert mask_from_lengths([2, 0], max_len=4).tolist() == [[True, True, False, False], [False] * 4]
+    assert mask_from_lengths(torch.tensor([0, 0])).shape == (2, 1)  # at least one column, all False

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from gradnorm import checkpointing
-from gradnorm.curves import moving_average, plot_learning_curve, write_learning_curve
+from gradnorm.curves import plot_learning_curve, write_learning_curve
+from gradnorm.runs import moving_average
 from gradnorm.rollout import generate_rollout, response_mask, seeded_generator
 from gradnorm.sharding import make_plan
 from gradnorm.tasks import RepeatTask

@@ -2,8 +2,8 @@
 
 Each test builds an explorer, moves a control the way a reader would (setting its ``value``), and
 checks that the drawn data (bar heights, line data) and the readout changed as the math says, by
-recomputing the expected numbers with ``gradnorm.analysis``. Pixels are never compared; the PNG
-only has to change.
+recomputing the expected numbers with ``gradnorm.imbalance`` and ``gradnorm.runs``. Pixels are
+never compared; the PNG only has to change.
 """
 
 import numpy as np
@@ -13,7 +13,9 @@ from numpy.testing import assert_allclose
 pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
-from gradnorm import analysis, widgets  # noqa: E402
+from gradnorm import widgets  # noqa: E402
+from gradnorm.imbalance import batch_rank_shares, imbalanced_minibatch, token_layout  # noqa: E402
+from gradnorm.runs import load_run  # noqa: E402
 from gradnorm.widgets import bar_heights  # noqa: E402
 
 
@@ -51,13 +53,13 @@ def test_moving_the_imbalance_slider_to_one_balances_local():
 def test_bar_heights_follow_the_sliders(world_size, accum_steps, imbalance):
     explorer = widgets.token_imbalance_explorer()
     artists = explorer.update(world_size=world_size, accum_steps=accum_steps, imbalance=imbalance)
-    batch = analysis.imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=widgets.FULL_LENGTH)
+    batch = imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=widgets.FULL_LENGTH)
     for mode in ("local", "token"):
-        shares = analysis.batch_rank_shares(batch, mode)
+        shares = batch_rank_shares(batch, mode)
         assert_allclose(bar_heights(artists["share_bars"][mode]), shares.update)
-        assert_allclose(bar_heights(artists["weights"][mode]), analysis.token_layout(batch, mode).weight)
+        assert_allclose(bar_heights(artists["weights"][mode]), token_layout(batch, mode).weight)
     assert len(artists["share_bars"]["local"]) == world_size
-    local = analysis.batch_rank_shares(batch, "local")
+    local = batch_rank_shares(batch, "local")
     expected = f"rank 0: {local.update[0]:.0%} of the update for {local.tokens[0]:.0%} of the tokens"
     assert expected in explorer.readout.value
     if world_size * accum_steps > 1:  # the control: ragged microbatches must move local off the tokens
@@ -135,7 +137,7 @@ def test_training_curves_draw_the_trailing_average(tmp_path):
     rows = [{"step": k, "reward_mean": r, "response_len_mean": 5.0, "grad_norm": 1.0, "tokens": 4,
              "tokens_per_rank": [1, 3]} for k, r in enumerate([0.0, 1.0, 0.0, 1.0], start=1)]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = analysis.load_run(out)
+    run = load_run(out)
     fig = matplotlib.figure.Figure()
     axes = fig.subplots(1, 4)
     lines = plotting.plot_training_runs(axes[:3], [run], window=2)

@@ -1,0 +1,105 @@
+"""Gradient sweeps (``gradnorm.sweeps``): every mode's sharded gradient against the full batch.
+
+GRPO's loss, SFT's cross-entropy and DPO's mean over pairs, on ``toy``'s policy. Each sweep comes
+with its control: at imbalance 1 (balanced microbatches) ``local`` is exact, and it must not be as
+soon as counts are ragged, while the fixed modes stay exact to rounding.
+"""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+
+from gradnorm import sweeps
+from gradnorm.imbalance import token_layout
+from gradnorm.modes import INVARIANT_MODES
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+def fractions(weights):
+    return [Fraction(float(w)).limit_denominator(10_000) for w in weights]
+
+
+def test_ragged_lengths():
+    assert sweeps.ragged_lengths(1, 8) == (12,) * 8
+    lengths = np.array(sweeps.ragged_lengths(12, 32))
+    assert lengths.min() >= 1 and lengths.max() <= 12 and lengths.max() / lengths.min() >= 6
+    # one draw serves every imbalance: a response never gets shorter than another it was longer than
+    a, b = np.array(sweeps.ragged_lengths(4, 32)), lengths
+    assert np.all(np.subtract.outer(a, a) * np.subtract.outer(b, b) >= 0)
+    assert sweeps.ragged_lengths(4, 32, seed=1) != sweeps.ragged_lengths(4, 32, seed=0)
+
+
+def test_gradient_sweep_local_drifts_and_the_fixed_modes_do_not():
+    sweep = sweeps.gradient_sweep([1, 4, 12], shard="length", world_size=2, accum_steps=2)
+    assert sweep.microbatch_tokens.shape == (3, 2, 2)
+    assert np.all(sweep.microbatch_tokens[0] == 8 * 12)  # imbalance 1: 8 responses of 12 tokens each
+    for mode in INVARIANT_MODES:
+        assert sweep.relative_error[mode].max() < 1e-12, mode
+        assert_allclose(sweep.cosine[mode], 1.0, atol=1e-12)
+    local = sweep.relative_error["local"]
+    assert local[0] < 1e-12  # balanced microbatches: the mean of means is the mean (control)
+    assert local[1] > 0.1 and local[2] > local[1]  # and it grows with the imbalance
+    assert sweep.cosine["local"][2] < 0.95
+
+
+def test_gradient_of_a_constant_is_the_token_gradient_rescaled():
+    lengths = sweeps.ragged_lengths(4, 16)
+    token = sweeps.policy_gradient(lengths, "token")
+    constant = sweeps.policy_gradient(lengths, "constant")  # C = S * 12
+    torch.testing.assert_close(constant, token * sum(lengths) / (16 * 12))
+
+
+def test_compare():
+    g = torch.tensor([1.0, 0.0])
+    assert sweeps.compare(g, g) == (0.0, 1.0)
+    rel, cos = sweeps.compare(torch.tensor([0.0, 1.0]), g)
+    assert rel == pytest.approx(2 ** 0.5) and cos == pytest.approx(0.0)
+    assert sweeps.compare(torch.zeros(2), torch.zeros(2)) == (0.0, 1.0)
+
+
+# ------------------------------------------------------------------ SFT and DPO
+
+
+def test_sft_has_the_same_bug_and_the_same_fix():
+    sweep = sweeps.gradient_sweep([1, 4], modes=("local", "token"), shard="length", loss="sft")
+    assert sweep.relative_error["token"].max() < 1e-12
+    assert sweep.relative_error["local"][0] < 1e-12 and sweep.relative_error["local"][1] > 0.1
+
+
+def test_packed_pairs_by_hand():
+    lengths, plan = sweeps.packed_pairs(4, world_size=2, accum_steps=2, pairs_per_microbatch=8, short_length=6)
+    pairs = sweeps.pairs_as_minibatch(plan)
+    assert pairs.microbatch_tokens().tolist() == [[2, 8], [8, 8]]
+    assert lengths[:4] == (24, 24, 24, 24) and set(lengths[4:]) == {6} and len(lengths) == 2 * 26
+    tokens = [[sum(lengths[2 * p] + lengths[2 * p + 1] for p in mb.tolist()) for mb in rank] for rank in plan]
+    assert tokens == [[96, 96], [96, 96]]  # one token budget for every microbatch
+    assert fractions(token_layout(pairs, "local").weight[[0, -1]]) == [Fraction(1, 8), Fraction(1, 32)]
+    assert fractions(token_layout(pairs, "token").weight[[0, -1]]) == [Fraction(1, 26)] * 2
+
+
+def test_dpo_pair_losses_longhand():
+    from gradnorm.toy import make_policy, make_problem
+    from torch.nn.functional import logsigmoid
+
+    problem = make_problem(lengths=[3, 5, 2, 4], group_size=2, max_len=6)
+    policy = make_policy(0)
+    with torch.no_grad():
+        logp = torch.log_softmax(policy(problem.inputs), -1).gather(-1, problem.targets.unsqueeze(-1)).squeeze(-1)
+    margin = [float(((logp[i] - problem.ref_logp[i]) * problem.mask[i]).sum()) for i in range(4)]
+    expected = [-float(logsigmoid(torch.tensor(0.1 * (margin[2 * p] - margin[2 * p + 1]), dtype=torch.float64)))
+                for p in range(2)]
+    got = sweeps.dpo_pair_losses(policy, problem, torch.arange(2), beta=0.1)
+    assert got.shape == (2, 1)
+    assert_allclose(got.squeeze(-1).detach().numpy(), expected, rtol=1e-12)
+
+
+def test_dpo_sweep_exact_with_equal_pair_counts_and_not_otherwise():
+    sweep = sweeps.dpo_sweep([1, 4])
+    assert sweep.unit == "pairs" and sweep.microbatch_tokens[1].tolist() == [[2, 8], [8, 8]]
+    assert sweep.relative_error["global"].max() < 1e-12
+    assert sweep.relative_error["local"][0] < 1e-12  # the same number of pairs everywhere: exact
+    assert sweep.relative_error["local"][1] > 0.1 and sweep.cosine["local"][1] < 0.95
