@@ -319,3 +319,29 @@ def test_the_real_entry_point(command_runs):
     assert real["real 1"][0] == 1 and "equals gradnorm's `local`" in real["real 1"][1]
     # The command's output is what the module computes in-process (the README pastes it).
     assert real["real 1"][1] == command_runs[0]["runs"]["microbatch_token_mean"][1]
+
+
+def test_the_picture_shows_the_weights_it_was_given(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from gradnorm import auditplot
+
+    report = audit.audit(conventions.microbatch_token_mean, (2,), (2,), ("length",))
+    res = report.results[-1]
+    fig = Figure()
+    ax_map, ax_share = fig.subplots(1, 2)
+    image = auditplot.plot_weight_map(ax_map, report.batch, res)
+    values = image.get_array()
+    sequence, rank, _ = auditplot.plan_rows(res)
+    assert list(rank) == sorted(rank) and sorted(sequence) == list(range(len(sequence)))
+    n = float(report.batch.mask.sum())
+    first = int(sequence[0])  # rank 0's first microbatch: the shortest responses, the largest weight
+    assert values[0, 0] == pytest.approx(float(res.weights[first, 0]) * n) and values[0, 0] > 1
+    assert int(np.isfinite(np.ma.filled(values, np.nan)).sum()) == int(report.batch.mask.sum())  # padding blank
+    bars = auditplot.plot_rank_shares(ax_share, res)
+    assert [b.get_height() for b in bars["update"]] == pytest.approx(res.update_share.tolist())
+    assert [b.get_height() for b in bars["tokens"]] == pytest.approx(res.token_share.tolist())
+    fig.savefig(tmp_path / "audit.png")
