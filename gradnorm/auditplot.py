@@ -17,6 +17,7 @@ from gradnorm.audit import Minibatch, Result
 
 TOKENS_COLOR = "#9a9a9a"
 UPDATE_COLOR = "#d62728"
+PADDING_COLOR = "#bdbdbd"  # dark enough that white (weight 1/N) tokens stand out
 
 
 def plan_rows(result: Result) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -48,7 +49,7 @@ def plot_weight_map(ax: Axes, batch: Minibatch, result: Result, span: float = 16
     _, rank, microbatch = plan_rows(result)
     image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="RdBu_r",
                       norm=LogNorm(vmin=1 / span, vmax=span))
-    ax.set_facecolor("#eeeeee")  # padding
+    ax.set_facecolor(PADDING_COLOR)
     for j in range(1, len(rank)):
         if rank[j] != rank[j - 1]:
             ax.axhline(j - 0.5, color="black", lw=1.0)
