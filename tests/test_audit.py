@@ -317,8 +317,9 @@ def test_the_real_entry_point(command_runs):
     assert code == 2 and out == "" and len(err.splitlines()) == 1 and "raised KeyError" in err
     assert "Traceback" not in err
     assert real["real 1"][0] == 1 and "equals gradnorm's `local`" in real["real 1"][1]
-    # The command's output is what the module computes in-process (the README pastes it).
+    # The command's output is what the module computes in-process, and what the README pastes.
     assert real["real 1"][1] == command_runs[0]["runs"]["microbatch_token_mean"][1]
+    assert f"```text\n{real['real 1'][1]}```" in (ROOT / "README.md").read_text()
 
 
 def test_the_picture_shows_the_weights_it_was_given(tmp_path):
