@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gradnorm.audit import MODES, ContractError, Convention, Report, audit, load_loss
+from gradnorm.audit import COUNTS, MODES, ContractError, Convention, Report, audit, load_loss
 from gradnorm.sharding import SHARD_KINDS
 
 
@@ -95,7 +95,14 @@ def _tolerance(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m gradnorm.audit", description=__doc__.split("\n\n")[0])
+    p = _Parser(
+        prog="python -m gradnorm.audit",
+        description="Measure the weight a GRPO microbatch loss gives every token under simulated data "
+                    "parallelism and gradient accumulation, and say whether it is invariant to W, A and sharding.",
+        epilog="LOSS(logp, old_logp, advantages, mask, **counts) returns the scalar you backpropagate; it gets, by "
+               f"keyword name, any of: {', '.join(COUNTS)}. Exit status: 0 invariant, 1 skewed or leaking onto "
+               "tokens outside the mask, 2 an error (one line).",
+    )
     p.add_argument("loss", help="package.module:function or path/to/file.py:function")
     p.add_argument("--world-size", type=_at_least(1), nargs="+", default=[8], help="W, one or more (default 8)")
     p.add_argument("--accum-steps", type=_at_least(1), nargs="+", default=[4], help="A, one or more (default 4)")

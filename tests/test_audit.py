@@ -31,9 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH = audit.synthetic_minibatch(48, group_size=6, max_new_tokens=40, seed=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_torch_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_plan(num_sequences, world_size, accum_steps, seed):
@@ -109,6 +107,26 @@ def test_the_audit_classifies_under_random_plans_and_checks_each_against_gradnor
         assert report.equals == mode and report.distance[mode] < 1e-12
         assert report.invariant == (mode != "local")
     assert audit.audit_plans(LOSS_OF_MODE["constant"], BATCH, plans).constant == pytest.approx(4096, rel=1e-12)
+
+
+def masked_mean(logp, old_logp, advantages, mask):  # the loop divides by A, as most loops do
+    return conventions.microbatch_token_mean(logp, old_logp, advantages, mask, accum_steps=1)
+
+
+def sum_over_count(logp, old_logp, advantages, mask, *, num_tokens):  # no W: gradients are summed
+    return conventions.token_sum_over_global_count(logp, old_logp, advantages, mask, num_tokens=num_tokens,
+                                                   world_size=1)
+
+
+def test_the_outer_loop_is_part_of_the_weight():
+    plan = random_plan(len(BATCH.mask), 3, 2, seed=7)
+    local, token = (oracle(m, BATCH.mask, BATCH.group_ids, plan) for m in ("local", "token"))
+    by_accum, summed = audit.Convention(scale_by_accum=True), audit.Convention(reduction="sum")
+    assert_close(audit.measure(masked_mean, BATCH, plan, by_accum).weights, local, rtol=1e-12, atol=0)
+    assert_close(audit.measure(sum_over_count, BATCH, plan, summed).weights, token, rtol=1e-12, atol=0)
+    # The controls: the same code under the other loop is off by A = 2 and by W = 3.
+    assert_close(audit.measure(masked_mean, BATCH, plan).weights, 2 * local, rtol=1e-12, atol=0)
+    assert_close(audit.measure(sum_over_count, BATCH, plan).weights, token / 3, rtol=1e-12, atol=0)
 
 
 def test_the_per_microbatch_mean_is_skewed_and_named_local():
