@@ -32,6 +32,10 @@ Teaching (notebooks and figures)
 - ``plotting``, ``lengthplots``, ``widgets``, ``curves``, ``worked_example``: drawing on a
                     given Axes, sliders wired to it, the learning curve, the worked example
 - ``dist.launch``, ``dist.checks``: the notebooks' torchrun runs and real gloo checks
+
+Audit (is another trainer's loss invariant?)
+- ``audit``, ``auditcli``, ``conventions``, ``auditplot``: measure the effective token weights of
+                    any microbatch loss (``python -m gradnorm.audit module:function``)
 """
 
 from gradnorm.denominators import (
