@@ -9,8 +9,10 @@ Run it from the repository root (after ``make install`` or ``pip install -e .``)
     # the bug on purpose: per-microbatch means, ranks sorted by response length
     torchrun --standalone --nproc_per_node=2 gradnorm/train.py --loss-denominator local --shard length \\
         --grad-accum-steps 2 --output-dir runs/local
-    # continue an interrupted run from its latest checkpoint
+    # continue an interrupted run from its latest checkpoint (the flags that define it must match)
     torchrun --standalone --nproc_per_node=2 gradnorm/train.py --resume
+    # start over in a directory that holds a run (it is kept until the new run has a checkpoint)
+    torchrun --standalone --nproc_per_node=2 gradnorm/train.py --overwrite
     # on GPUs the backend is NCCL automatically (override with --backend, --device)
     torchrun --standalone --nproc_per_node=8 gradnorm/train.py
     # a Hugging Face model on a JSONL prompt file (pip install -e '.[hf]'; bf16 on CUDA), FSDP2
