@@ -24,10 +24,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The main job: GRPO on 2 CPU ranks over gloo (about a minute on 2 cores), output in runs/grpo/.
-# --device cpu keeps it the gloo job on a GPU machine too; DEMO_FLAGS takes any other flag.
+# --device cpu keeps it the gloo job on a GPU machine too; --overwrite replaces the previous demo
+# (the trainer refuses a directory holding a run without it); DEMO_FLAGS takes any other flag.
 DEMO_FLAGS ?=
 demo: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 gradnorm/train.py --device cpu $(DEMO_FLAGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 gradnorm/train.py --device cpu --overwrite $(DEMO_FLAGS)
 
 # --nbmake executes every notebook under notebooks/ as a test, besides tests/.
 test: install

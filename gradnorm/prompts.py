@@ -16,14 +16,21 @@ is a property of the file, a sequence's tokens never depend on which other promp
 or microbatch.
 
 Rewards are functions ``reward(response_text, answer) -> float`` in a registry; ``--reward`` names
-one, or points at any importable function as ``package.module:function``.
+one, or points at any importable function as ``package.module:function``. A user's function that
+fails to import, takes other arguments, raises, or returns something other than one finite number
+is a ``RewardError``: one line naming the function and the sequence, then the user's own frames
+(the trainer's are left out, they only say who called it).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import math
+import numbers
 import re
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -95,20 +102,90 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return add
 
 
+class RewardError(ValueError):
+    """A user's reward function failed: a one-line summary, then the user's frames."""
+
+    def __init__(self, summary: str, cause: BaseException | None = None):
+        super().__init__(summary)
+        self.summary, self.frames = summary, _user_frames(cause) if cause is not None else ""
+
+    def __str__(self) -> str:
+        return self.summary + ("\n" + self.frames if self.frames else "")
+
+
+# Frames of gradnorm and of the import machinery only say who called the user's code.
+_PLUMBING = (str(Path(__file__).resolve().parent), str(Path(importlib.__file__).parent), "<frozen")
+
+
+def _user_frames(err: BaseException) -> str:
+    """The frames of ``err`` outside gradnorm and importlib, formatted like a traceback's."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_PLUMBING)]
+    lines = traceback.format_list(frames)
+    if isinstance(err, SyntaxError):  # where the parser stopped: file, line and caret
+        lines += traceback.format_exception_only(type(err), err)[:-1]
+    return "".join(lines).rstrip("\n")
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}({str(err)!r})"
+
+
 def get_reward(name: str) -> RewardFn:
-    """A registered reward by name, or any function given as ``package.module:function``."""
+    """A registered reward by name, or any function given as ``package.module:function``.
+
+    Raises a RewardError when the function cannot be imported or does not take (response, answer).
+    """
     if name in REWARDS:
         return REWARDS[name]
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--reward {name!r}: cannot import it ({e})") from None
-        if not callable(fn):
-            raise ValueError(f"--reward {name!r} is not callable")
-        return fn
-    raise ValueError(f"unknown reward {name!r}: expected one of {', '.join(sorted(REWARDS))} or package.module:function")
+    if ":" not in name:
+        raise ValueError(f"unknown reward {name!r}: expected one of {', '.join(sorted(REWARDS))} or package.module:function")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (module_name + ".").startswith(err.name + "."):  # the module itself, not one it imports
+            raise RewardError(f"--reward {name!r}: cannot import it (no module named {err.name!r} on sys.path or "
+                              "PYTHONPATH)") from None
+        raise RewardError(f"reward function {name} failed to import: {_describe(err)}", err) from None
+    except Exception as err:  # a syntax error or an exception at import time, in the user's module
+        raise RewardError(f"reward function {name} failed to import: {_describe(err)}", err) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise RewardError(f"--reward {name!r}: cannot import it (module {module_name} has no {attr!r})")
+    if not callable(fn):
+        raise RewardError(f"--reward {name!r} is not callable (it is a {type(fn).__name__})")
+    try:
+        inspect.signature(fn).bind("response", "answer")
+    except TypeError:
+        raise RewardError(f"reward function {name} must take (response, answer); its signature is "
+                          f"{inspect.signature(fn)}") from None
+    except ValueError:  # a builtin without a signature: it is called as it is
+        pass
+    return fn
+
+
+def reward_name(fn: RewardFn) -> str:
+    """``module:function`` of a reward, as --reward names it."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def call_reward(fn: RewardFn, response: str, answer: str, index: int) -> float:
+    """``fn(response, answer)`` as a finite float; a RewardError naming the sequence otherwise."""
+    try:
+        value = fn(response, answer)
+    except Exception as err:
+        raise RewardError(f"reward function {reward_name(fn)} raised {_describe(err)} on sequence {index} "
+                          f"(answer {answer!r})", err) from None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise RewardError(f"reward function {reward_name(fn)} returned {type(value).__name__} {value!r:.60} on "
+                          f"sequence {index}; it must return one number (a float)")
+    if not math.isfinite(value):
+        raise RewardError(f"reward function {reward_name(fn)} returned {value} on sequence {index}; rewards must be "
+                          "finite numbers")
+    return float(value)
 
 
 # A number as people write them: -12, 1,234 (thousands separators), 3.5, 3/4.
@@ -273,6 +350,7 @@ class PromptTask:
         if len(response_ids) != len(answers):
             raise ValueError(f"{len(response_ids)} responses but {len(answers)} answers")
         return torch.tensor(
-            [float(self.reward_fn(self.tokenizer.decode(ids), a)) for ids, a in zip(response_ids, answers)],
+            [call_reward(self.reward_fn, self.tokenizer.decode(ids), a, i)
+             for i, (ids, a) in enumerate(zip(response_ids, answers))],
             dtype=torch.float32,
         )

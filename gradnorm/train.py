@@ -9,8 +9,10 @@ Run it from the repository root (after ``make install`` or ``pip install -e .``)
     # the bug on purpose: per-microbatch means, ranks sorted by response length
     torchrun --standalone --nproc_per_node=2 gradnorm/train.py --loss-denominator local --shard length \\
         --grad-accum-steps 2 --output-dir runs/local
-    # continue an interrupted run from its latest checkpoint
+    # continue an interrupted run from its latest checkpoint (the flags that define it must match)
     torchrun --standalone --nproc_per_node=2 gradnorm/train.py --resume
+    # start over in a directory that holds a run (it is kept until the new run has a checkpoint)
+    torchrun --standalone --nproc_per_node=2 gradnorm/train.py --overwrite
     # on GPUs the backend is NCCL automatically (override with --backend, --device)
     torchrun --standalone --nproc_per_node=8 gradnorm/train.py
     # a Hugging Face model on a JSONL prompt file (pip install -e '.[hf]'; bf16 on CUDA), FSDP2
@@ -68,6 +70,7 @@ import copy
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -81,7 +84,7 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, hfmodels
+from gradnorm import checkpointing, failures, hfmodels, memory, preflight, rundir
 from gradnorm.dist import comm, wrap
 from gradnorm.grpo import finalize_stats, grpo_token_losses
 from gradnorm.prompts import PromptTask
@@ -120,21 +123,52 @@ def warm_up(model: TinyGPT, task: RepeatTask, cfg: TrainConfig) -> None:
 
 
 def resume_point(cfg: TrainConfig) -> Path | None:
-    """The checkpoint --resume continues from; a one-line ValueError when there is none."""
+    """The checkpoint --resume continues from, once the run it continues is known to match.
+
+    One-line ValueErrors: no checkpoint; a flag that defines the run differs from config.json
+    (``rundir.compare_resumed``); --steps not beyond the checkpoint's step.
+    """
     if not cfg.resume:
         return None
     path = checkpointing.latest_checkpoint(cfg.output_dir)
     if path is None:
         raise ValueError(f"--resume: no checkpoint ckpt_step*.pt in {cfg.output_dir}")
+    rundir.compare_resumed(cfg, rundir.read_config(Path(cfg.output_dir)))
+    done = re.match(r"ckpt_step(\d+)", path.name)
+    if done and int(done.group(1)) >= cfg.steps:
+        raise ValueError(f"--resume: {path} is at step {done.group(1)} and --steps is {cfg.steps}: nothing to do; "
+                         "raise --steps to continue the run")
     return path
 
 
 def open_metrics(path: Path, keep_through_step: int):
-    """metrics.jsonl for appending, cut back to the steps <= ``keep_through_step`` (0: a fresh file)."""
+    """metrics.jsonl for appending, cut back to the steps <= ``keep_through_step`` (0: a fresh file).
+
+    A resumed run's file may be missing (it starts again after the checkpoint's step), end in a
+    torn line (a crash mid-write) or hold lines that are not records (edited by hand): those lines
+    are dropped with a warning naming the file and the line. The cut file replaces the old one
+    atomically, so a crash now loses nothing.
+    """
     kept = []
-    if keep_through_step > 0 and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= keep_through_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    if keep_through_step > 0 and not path.exists():
+        print(f"warning: {path} is missing; it starts again at step {keep_through_step + 1}", file=sys.stderr, flush=True)
+    elif keep_through_step > 0:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for number, line in enumerate(lines, start=1):
+            try:
+                step = json.loads(line)["step"] if line.strip() else None
+            except (ValueError, KeyError, TypeError):
+                step = "bad"
+            if step is None:
+                continue
+            if not isinstance(step, int) or isinstance(step, bool):
+                why = "a torn last line (the run stopped mid-write)" if number == len(lines) else "not a metrics record"
+                print(f"warning: {path}:{number}: dropped {why}", file=sys.stderr, flush=True)
+            elif step <= keep_through_step:
+                kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
     return open(path, "a")
 
 
@@ -228,14 +262,11 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         del ckpt
 
     metrics = None
-    if ctx.is_main:
+    if ctx.is_main:  # the directory is locked and an old run set aside by main (gradnorm.rundir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": W}, indent=2) + "\n")
+        rundir.write_config(out, cfg, W, run.step)
         (out / "warmup.json").write_text(json.dumps(run.warmup, indent=2) + "\n")
         metrics = open_metrics(out / "metrics.jsonl", run.step)
-        if ckpt_path is None:  # a fresh run replaces the old one's files, so --resume never mixes runs
-            for stale in out.glob("ckpt_step*.pt"):
-                stale.unlink()
     bar = tqdm(total=cfg.steps, initial=run.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
     elapsed0 = run.elapsed_s
@@ -338,15 +369,22 @@ def step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run: RunStat
 
 
 def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
-    """Append the record to metrics.jsonl and show it (progress bar, or a line every --log-every steps)."""
+    """Append the record to metrics.jsonl and show it (progress bar, or a line every --log-every steps).
+
+    A skipped step's non-finite statistics are None in the record; they print as null.
+    """
     metrics.write(json.dumps(record) + "\n")
     metrics.flush()
+
+    def show(key: str, spec: str) -> str:
+        return "null" if record.get(key) is None else format(record[key], spec)
+
     bar.update(1)
-    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", tok_s=f"{record['tokens_per_second']:.0f}")
+    bar.set_postfix(reward=show("reward_mean", ".3f"), tok_s=show("tokens_per_second", ".0f"))
     step = record["step"]
     if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
-        print(f"step {step}/{cfg.steps} reward {record['reward_mean']:.3f} loss {record['loss']:.4f} "
-              f"grad_norm {record['grad_norm']:.4f} tokens/s {record['tokens_per_second']:.0f}", flush=True)
+        print(f"step {step}/{cfg.steps} reward {show('reward_mean', '.3f')} loss {show('loss', '.4f')} "
+              f"grad_norm {show('grad_norm', '.4f')} tokens/s {show('tokens_per_second', '.0f')}", flush=True)
 
 
 def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext) -> None:
@@ -381,25 +419,45 @@ def summarize(out: Path, plot: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    try:  # every rank validates the same flags; rank 0 says what is wrong, before any model exists
+    """Check everything, lock the run directory, train; 0, or 2 for bad input and 1 for a failed run."""
+    rank, run_dir = preflight.error_rank(), None
+    try:  # every rank checks the same flags, files and environment, before any model exists
+        rank, world_size = preflight.launch_environment()
         cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
+        preflight.check_inputs(cfg)
+        rundir.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite)
         ckpt_path = resume_point(cfg)
+        memory.check_fits(cfg, world_size, preflight.device_of(cfg), sharing=memory.local_ranks())
+        if rank == 0:  # rank 0 alone writes output-dir
+            run_dir = rundir.RunDir(cfg.output_dir)
+            run_dir.open(cfg.resume, cfg.overwrite)
     except ValueError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr)
+        if run_dir is not None:
+            run_dir.close(succeeded=False)
+        failures.report_error(str(err), rank)
         return 2
-    torch.set_num_threads(cfg.cpu_threads)
-    ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
-                         device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
+    succeeded = False
     try:
-        train(cfg, ctx, ckpt_path)
-    except (ValueError, TrainingError) as err:  # bad checkpoint, bad reward, NaN after NaN: one line, no traceback
-        if ctx.is_main:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return 1
+        torch.set_num_threads(cfg.cpu_threads)
+        try:
+            ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
+                             device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
+        except (RuntimeError, ValueError) as err:  # the rendezvous failed (address, port, a peer that never came)
+            failures.report_error(f"could not join the process group ({str(err).strip().splitlines()[0][:200]})", rank)
+            return 1
+        try:
+            train(cfg, ctx, ckpt_path)
+            succeeded = True
+        except (ValueError, TrainingError, torch.OutOfMemoryError, MemoryError) as err:
+            # bad checkpoint, bad reward, non-finite logits, NaN after NaN, out of memory: one line
+            step = None if isinstance(err, TrainingError) else failures.failed_step(err, train.__code__)  # it says
+            failures.report_error(failures.explain(err, ctx.device, step), ctx.rank)
+            return 1
+        finally:
+            comm.teardown()
     finally:
-        comm.teardown()
+        if run_dir is not None:
+            run_dir.close(succeeded)
     return 0
 
 

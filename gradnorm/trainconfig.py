@@ -2,7 +2,10 @@
 
 ``python gradnorm/train.py --help`` prints each field's docstring, so this file is the reference
 for every flag (``--grad-accum-steps`` is the field ``grad_accum_steps``). ``validate`` turns a bad
-value into a one-line ``ValueError`` before any model is built.
+value into a one-line ``ValueError`` before any model is built: every numeric field has one rule
+in ``BOUNDS`` (finite, in a documented range that ``--help`` prints), and ``CHANGEABLE_ON_RESUME``
+lists the flags a ``--resume`` may change; every other flag defines the run and must match the
+``config.json`` of the run it continues (``gradnorm.rundir.compare_resumed``).
 """
 
 from __future__ import annotations
@@ -10,18 +13,16 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib.util
 import inspect
+import math
 import sys
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
 
 from gradnorm.denominators import Denominator, parse_denominator
-from gradnorm.prompts import get_reward, load_prompts
 from gradnorm.dist.wrap import ParallelKind
 from gradnorm.sharding import ShardKind, check_divisible
 
@@ -37,14 +38,16 @@ class TrainConfig:
     token mean), sequence (original GRPO), group (per prompt group), or a number C (Dr GRPO uses
     C = prompts-per-step * group-size * max-new-tokens)."""
     grad_accum_steps: int = 1
-    """A: microbatches per rank per optimizer step (DDP no_sync on all but the last)."""
+    """A: microbatches per rank per optimizer step (DDP no_sync on all but the last). Changeable on
+    --resume, except under --loss-denominator local (the only mode whose update depends on it)."""
     shard: ShardKind = "interleave"
     """How a minibatch's sequences are split over ranks and microbatches. length sorts by response
-    length first, so low ranks get the short responses (maximal imbalance); balanced packs by tokens."""
+    length first, so low ranks get the short responses (maximal imbalance); balanced packs by tokens.
+    Changeable on --resume, except under --loss-denominator local."""
 
     # ---- batch and schedule
     steps: int = 300
-    """Optimizer steps of GRPO (after the warm-up)."""
+    """Optimizer steps of GRPO (after the warm-up). Changeable on --resume (to extend a run)."""
     prompts_per_step: int = 32
     """Prompts per optimizer step; the global minibatch is prompts-per-step * group-size sequences,
     whatever the world size."""
@@ -80,7 +83,8 @@ class TrainConfig:
     """Clip the global gradient norm to this; the logged grad_norm is the norm before clipping."""
     max_skipped_steps: int = 3
     """A step whose loss or gradient is NaN or inf is skipped (no optimizer step, a warning, counted
-    as skipped_steps in metrics.jsonl); this many skipped in a row stop the run with an error."""
+    as skipped_steps in metrics.jsonl); this many skipped in a row stop the run with an error.
+    Changeable on --resume."""
 
     # ---- supervised warm-up (the stand-in for pretraining)
     warmup_steps: int = 40
@@ -121,30 +125,40 @@ class TrainConfig:
     log-softmax and loss weights stay fp32 and token counts int64, so the normalization is exact."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (Hugging Face models): less memory,
-    about a third more compute."""
+    about a third more compute, the same gradient. Changeable on --resume."""
 
     # ---- run
     seed: int = 0
     """Seeds the model, the warm-up and (with the step) every rollout."""
     output_dir: str = "runs/grpo"
-    """Where metrics.jsonl, config.json, checkpoints and the learning curve go."""
+    """Where metrics.jsonl, config.json, checkpoints and the learning curve go. Changeable on
+    --resume (a run directory may be moved or copied)."""
     save_every: int = 100
-    """Checkpoint every this many optimizer steps (and always at the end); 0: only at the end."""
+    """Checkpoint every this many optimizer steps (and always at the end); 0: only at the end.
+    Changeable on --resume."""
     resume: bool = False
-    """Continue from the latest checkpoint in output-dir (its metrics.jsonl is cut back to it)."""
+    """Continue from the latest checkpoint in output-dir (its metrics.jsonl is cut back to it). The
+    flags that define the run must equal those in its config.json; only the ones documented as
+    changeable on --resume may differ, and each change is recorded in config.json's history."""
+    overwrite: bool = False
+    """Start a fresh run in an output-dir that holds another run. Its files are moved to
+    output-dir/previous_run/ and deleted once this run's first checkpoint exists (moved back if
+    this run stops before that); without --overwrite or --resume such a directory is refused."""
     plot: bool = True
-    """Draw learning_curve.png from metrics.jsonl at the end (needs matplotlib)."""
+    """Draw learning_curve.png from metrics.jsonl at the end (needs matplotlib). Changeable on --resume."""
     log_every: int = 10
-    """Without a terminal (no progress bar), print a line every this many steps."""
+    """Without a terminal (no progress bar), print a line every this many steps. Changeable on --resume."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend; auto is NCCL on CUDA and gloo on CPU."""
+    """Process-group backend; auto is NCCL on CUDA and gloo on CPU. Changeable on --resume."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto is CUDA when available."""
+    """auto is CUDA when available. Changeable on --resume (like the world size)."""
     cpu_threads: int = 1
     """torch threads per process for CPU math. Keep it equal across runs you compare: matmuls
-    round differently with different thread counts, which changes sampled tokens."""
+    round differently with different thread counts, which changes sampled tokens. Changeable on
+    --resume."""
     timeout_s: float = 300.0
-    """How long a collective waits for a dead peer before the run fails."""
+    """How long a collective waits for a dead peer before the run fails; at least 10 s, or a slow
+    step or rank 0 writing a checkpoint would look like a dead peer. Changeable on --resume."""
 
     @property
     def sequences_per_step(self) -> int:
@@ -172,32 +186,37 @@ class TrainConfig:
         return parse_denominator(self.loss_denominator)
 
     def validate(self, world_size: int = 1) -> None:
-        """Raise a one-line ValueError for the first bad value; ``world_size`` is W."""
-        self.denominator  # noqa: B018 (raises on an unknown denominator)
+        """Raise a one-line ValueError for the first bad value; ``world_size`` is W.
+
+        Pure: flags against their ranges and each other. Files, directories, the environment and
+        memory are checked by ``gradnorm.preflight``.
+        """
+        denominator = self.denominator  # raises on an unknown denominator
+        if isinstance(denominator, float) and denominator not in CONSTANT_DENOMINATOR:
+            raise ValueError(f"--loss-denominator {self.loss_denominator}: a constant C must be a finite number in "
+                             f"{CONSTANT_DENOMINATOR} (a token count; Dr GRPO uses prompts-per-step * group-size * "
+                             "max-new-tokens)")
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{_flag(name)} {getattr(self, name)!r}: expected one of {', '.join(choices)}")
-        positive = ("steps", "prompts_per_step", "grad_accum_steps", "minibatches_per_rollout", "epochs",
-                    "lr", "max_grad_norm", "temperature", "n_layer", "n_head", "n_embd", "cpu_threads",
-                    "eval_prompts", "log_every", "warmup_batch", "warmup_lr", "timeout_s", "max_skipped_steps")
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
-        for name in ("beta", "weight_decay", "clip_low", "clip_high", "warmup_steps", "save_every"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2 (advantages compare completions of a prompt), got {self.group_size}")
+        for name, allowed in BOUNDS.items():
+            if getattr(self, name) not in allowed:
+                value = getattr(self, name)
+                what = "a finite number" if isinstance(value, float) else "an integer"
+                raise ValueError(f"--{_flag(name)} must be {what} in {allowed}, got {value}")
+        for name in ("output_dir", "model"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"--{_flag(name)} is empty; give a path")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-head {self.n_head} must divide --n-embd {self.n_embd}")
         if self.builtin and self.max_new_tokens < 17:
             raise ValueError(f"--max-new-tokens must be >= 17 (16 letters + EOS), got {self.max_new_tokens}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.builtin and self.gradient_checkpointing:
             raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
-        if not self.builtin:
-            _check_real_model_inputs(self.model, self.prompts, self.reward)
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one of them")
         check_divisible(self.sequences_per_step, world_size, self.grad_accum_steps)
         k = self.updates_per_rollout
         if self.steps % k or self.save_every % k:
@@ -212,18 +231,74 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _check_real_model_inputs(model: str, prompts: str, reward: str) -> None:
-    # Before any process group or model exists: transformers, a local model directory, the
-    # prompts file and the reward (a Hub name is only checked when it loads).
-    if importlib.util.find_spec("transformers") is None:
-        raise ValueError("a Hugging Face --model needs transformers: pip install -e '.[hf]'")
-    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
-        raise ValueError(f"--model {model}: no such directory (a local model is a save_pretrained directory)")
-    try:
-        load_prompts(prompts)
-    except FileNotFoundError as err:
-        raise ValueError(f"--prompts: {err}") from None
-    get_reward(reward)
+@dataclass(frozen=True)
+class Range:
+    """The finite values in [lo, hi], or in (lo, hi] when ``open_low``."""
+
+    lo: float
+    hi: float
+    open_low: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.lo if self.open_low else value >= self.lo
+        return math.isfinite(value) and above and value <= self.hi
+
+    def __str__(self) -> str:
+        lo, hi = (f"{x:g}" if isinstance(x, float) else str(x) for x in (self.lo, self.hi))
+        return f"{'(' if self.open_low else '['}{lo}, {hi}]"
+
+
+# One rule per numeric field. A limit is where a value stops being a setting and becomes a
+# mistake: beyond it the run overflows (an lr of 1e30, a temperature of 1e-40 or a beta of 1e30
+# turn the loss into inf or NaN), a seed no longer fits the 64-bit generators, or a count is absurd.
+BOUNDS: dict[str, Range] = {
+    "grad_accum_steps": Range(1, 4096),
+    "steps": Range(1, 10**9),
+    "prompts_per_step": Range(1, 10**7),
+    "group_size": Range(2, 4096),
+    "minibatches_per_rollout": Range(1, 4096),
+    "epochs": Range(1, 1000),
+    "beta": Range(0.0, 100.0),
+    "clip_low": Range(0.0, 1.0),  # 1 - clip-low is the lowest ratio kept, so at most 1
+    "clip_high": Range(0.0, 100.0),
+    "temperature": Range(1e-3, 100.0),  # logits / T must stay finite in fp32
+    "max_new_tokens": Range(1, 2**20),
+    "lr": Range(0.0, 1.0, open_low=True),
+    "weight_decay": Range(0.0, 1.0),  # AdamW scales the weights by 1 - lr * weight-decay each step
+    "max_grad_norm": Range(0.0, 1e6, open_low=True),
+    "max_skipped_steps": Range(1, 10**6),
+    "warmup_steps": Range(0, 10**7),
+    "warmup_batch": Range(1, 10**6),
+    "warmup_lr": Range(0.0, 1.0, open_low=True),
+    "eval_prompts": Range(1, 10**6),
+    "n_layer": Range(1, 1024),
+    "n_head": Range(1, 1024),
+    "n_embd": Range(1, 2**16),
+    "seed": Range(0, 2**63 - 1),
+    "save_every": Range(0, 10**9),
+    "log_every": Range(1, 10**9),
+    "cpu_threads": Range(1, 1024),
+    "timeout_s": Range(10.0, 7 * 24 * 3600.0),
+}
+CONSTANT_DENOMINATOR = Range(1.0, 1e15)
+"""The range of a numeric --loss-denominator C, which divides every token's loss."""
+
+CHANGEABLE_ON_RESUME = ("steps", "save_every", "log_every", "plot", "timeout_s", "cpu_threads", "backend", "device",
+                        "max_skipped_steps", "gradient_checkpointing", "output_dir", "grad_accum_steps", "shard",
+                        "resume", "overwrite")
+"""Flags a --resume may change (their docstrings say "Changeable on --resume"); every other flag
+defines the run. A change is applied for real and recorded in config.json's history."""
+
+
+def changeable_on_resume(name: str, loss_denominator: str) -> bool:
+    """Whether --resume may change the flag ``name`` of a run trained with this denominator.
+
+    A and the sharding leave the update of every invariant denominator unchanged (that is the
+    point of gradnorm), so a resumed run may pick them to fit its memory; under local they change it.
+    """
+    if name in ("grad_accum_steps", "shard"):
+        return loss_denominator != "local"
+    return name in CHANGEABLE_ON_RESUME
 
 
 # ------------------------------------------------------------------ the CLI, generated from the fields
@@ -254,26 +329,41 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one --flag per field, its help the field's docstring."""
+    """An argparse parser with one --flag per field, its help the field's docstring and range."""
     parser = _OneLineParser(prog=prog, description=TrainConfig.__doc__,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints, docs, choices = get_type_hints(TrainConfig), field_docs(), _choices()
     for f in dataclasses.fields(TrainConfig):
         kind, flag = hints[f.name], f"--{_flag(f.name)}"
+        doc = docs[f.name] + (f" Range: {BOUNDS[f.name]}." if f.name in BOUNDS else "")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
         elif f.name in choices:  # validated by TrainConfig.validate, so the error stays one line
-            parser.add_argument(flag, default=f.default, help=docs[f.name], metavar="{" + ",".join(choices[f.name]) + "}")
+            parser.add_argument(flag, default=f.default, help=doc, metavar="{" + ",".join(choices[f.name]) + "}")
         elif f.name == "loss_denominator":
-            parser.add_argument(flag, default=f.default, help=docs[f.name], metavar="{local,token,sequence,group,<number>}")
+            parser.add_argument(flag, default=f.default, help=doc, metavar="{local,token,sequence,group,<number>}")
         else:
-            parser.add_argument(flag, type=kind, default=f.default, help=docs[f.name])
+            parser.add_argument(flag, type=kind, default=f.default, help=doc)
     return parser
+
+
+def given_flags(argv: list[str], parser: argparse.ArgumentParser) -> set[str]:
+    """The fields whose flags appear in ``argv`` (a flag given with its default value counts)."""
+    for action in parser._actions:  # parse again with no defaults: only what was given is set
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def parse_config(argv: list[str] | None = None, world_size: int = 1, prog: str | None = None) -> TrainConfig:
     """Parse command-line flags into a validated TrainConfig; raises ValueError on a bad value."""
-    args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(prog).parse_args(argv)
     cfg = TrainConfig(**vars(args))
     cfg.validate(world_size)
+    if cfg.builtin:  # the built-in task has its own prompts and reward: a given file would be ignored
+        ignored = sorted(given_flags(argv, build_parser(prog)) & {"prompts", "reward"})
+        if ignored:
+            raise ValueError(f"{' and '.join('--' + name for name in ignored)} "
+                             f"need{'s' if len(ignored) == 1 else ''} a Hugging Face --model; the "
+                             "built-in tiny model trains on its own repeat-a-letter task and reward")
     return cfg
