@@ -41,6 +41,7 @@ example: install
 
 bench: install
 	$(PY) benchmarks/bench.py --out benchmarks
+	$(PY) benchmarks/rollouts.py --out benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
