@@ -199,6 +199,8 @@ def generate_rollout(
         packed[: len(rows), : P + R] = tokens
         packed[: len(rows), -1] = rewards
         gathered = comm.all_gather(packed)  # (W, most, P + R + 1)
+        if len(gathered) != world_size:
+            raise ValueError(f"world_size={world_size} but the process group has {len(gathered)} rank(s)")
         full = torch.cat([gathered[r, : len(split[r]) * G] for r in range(world_size)])  # (S, P + R + 1)
         tokens, rewards = full[:, :-1].long(), full[:, -1].float()
     mask = response_mask(tokens[:, P:], eos)  # (S, R)

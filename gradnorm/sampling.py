@@ -84,7 +84,9 @@ def decode(
     """
     B, P = prompts.shape
     device = prompts.device
-    if uniforms is None:
+    if uniforms is None and temperature == 0.0:  # greedy needs no noise: leave every RNG untouched
+        uniforms = torch.zeros(B, max_new_tokens)
+    elif uniforms is None:
         noise_device = generator.device if generator is not None else device
         uniforms = torch.rand(B, max_new_tokens, generator=generator, device=noise_device)
     uniforms = uniforms.to(device)  # (B, max_new_tokens)

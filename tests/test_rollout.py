@@ -5,7 +5,7 @@ What must hold:
   and a frequency check), and temperature 0 is greedy whatever the uniforms;
 - sequence i samples the same tokens alone, inside larger batches and in any order, given its own
   row of uniforms (TinyGPT, one thread); the control: the old batch-level generator, whose noise
-  depends on the row's place in the batch, fails that same check;
+  depends on the row's place in the batch, fails that same check; greedy decoding uses no noise;
 - sharded generation on 2 real gloo ranks, with one rank's sequences all ending at once and the
   other's never, and with uneven and empty shares of the groups, assembles the global batch that
   one process samples, bit for bit; under FSDP2 both ranks decode the same number of steps (the
@@ -58,6 +58,15 @@ def test_inverse_cdf_picks_the_bin_that_holds_u_and_matches_the_probabilities():
     freq = torch.bincount(draws, minlength=V) / n
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-4).all()
     assert sample_next(z.expand(3, V), 0.0, torch.rand(3)).tolist() == [int(z.argmax())] * 3  # greedy
+
+
+def test_greedy_decoding_ignores_the_noise_and_leaves_the_global_rng_alone():
+    model = make_model()
+    prompts = torch.randint(3, V, (4, P), generator=torch.Generator().manual_seed(0))
+    state = torch.get_rng_state()
+    greedy = generate(model, prompts, R, EOS, PAD, temperature=0.0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(generate(model, prompts, R, EOS, PAD, temperature=0.0, uniforms=torch.rand(4, R)), greedy)
 
 
 def sample_rows(model, prompts, uniforms):
