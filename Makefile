@@ -42,6 +42,7 @@ example: install
 
 bench: install
 	$(PY) benchmarks/bench.py --out benchmarks
+	$(PY) benchmarks/rollouts.py --out benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

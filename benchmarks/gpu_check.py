@@ -10,7 +10,12 @@ Each row is one real launch of ``torchrun --standalone --nproc_per_node=N gradno
 - tokens/s: response tokens of the global minibatch per second of a whole optimizer step
   (sampling with the KV cache, the forward and backward passes, the optimizer step), the median
   over the steps after the first (which pays for CUDA's warm-up);
-- peak memory: ``torch.cuda.max_memory_allocated`` on rank 0 over the run, in GiB.
+- peak memory: ``torch.cuda.max_memory_allocated`` on rank 0 over the run, in GiB;
+- rollout tokens/s per GPU (a second table, DDP rows): generation alone, timed by the worker of
+  ``benchmarks/rollouts.py`` in one more launch per model: rank 0 sampling the whole batch alone
+  (1 GPU), then all N ranks under ``--rollouts sharded`` (each samples its share, one all_gather)
+  and ``replicated`` (each samples everything). Perfect scaling keeps sharded's tokens/s per GPU
+  at the 1-GPU value; replicated's falls as 1/N.
 
 Every model is built on the spot with random weights and the character-level tokenizer of the
 offline tests (GPU machines are often offline): the built-in TinyGPT, the 2-layer width-32
@@ -22,6 +27,7 @@ A row's name gives the model's layers x width and parameter count.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -64,6 +70,32 @@ def configurations(model_dir: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
+def rollouts_benchmark():
+    """benchmarks/rollouts.py as a module, loaded by path (scripts live outside the package)."""
+    spec = importlib.util.spec_from_file_location("gradnorm_rollouts_benchmark", Path(__file__).with_name("rollouts.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rollout_rows(nproc: int, configs: list[tuple[str, list[str]]], device: str, rounds: int) -> list[str]:
+    """Markdown rows: rollout tokens/s per GPU on 1 GPU and on ``nproc`` GPUs, both modes (DDP configs)."""
+    bench, rows = rollouts_benchmark(), []
+    batch = ["--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "64", "--device", device]
+    for name, flags in configs:
+        if "fsdp" in flags:  # rank 0 cannot sample alone when the forward is a collective
+            continue
+        found = bench.measure(nproc, batch + flags, rounds)["configs"]
+
+        def per_gpu(key, world):
+            return f"{found[key]['tokens_per_s'] / world:,.0f}" if key in found else "n/a"
+
+        rows.append(f"| {name} | {per_gpu('W=1 sharded', 1)} | {per_gpu(f'W={nproc} sharded', nproc)} | "
+                    f"{per_gpu(f'W={nproc} replicated', nproc)} |")
+        print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
 def launch(nproc: int, out: Path, flags: list[str], device: str, steps: int) -> list[dict]:
     """One torchrun launch of the trainer; returns its metrics rows."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -87,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (ranks) per launch")
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps per launch")
+    parser.add_argument("--rollout-rounds", type=int, default=5, help="timed rollouts per configuration")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (gloo, fp32) to test this script")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -112,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_s, peak = summarize(rows)
             lines.append(f"| {name} | {tokens_per_s:,.0f} | {'n/a' if peak is None else f'{peak:.2f}'} |")
             print(lines[-1], file=sys.stderr, flush=True)  # progress while the next row runs
+        unit = "GPU" if cuda else "rank"
+        lines += ["", f"Rollout generation alone (tokens/s per {unit}, median of {args.rollout_rounds} rounds):", "",
+                  f"| configuration | 1 {unit} | {args.nproc} {unit}s, sharded | {args.nproc} {unit}s, replicated |",
+                  "|---|---:|---:|---:|"]
+        lines += rollout_rows(args.nproc, [(n, f + precision) for n, f in configurations(tmp)], device,
+                              args.rollout_rounds)
     print("\n".join(lines))
     return 0
 

@@ -15,10 +15,10 @@ token, so a row's logits do not depend on how much padding it got:
     attention_mask[i, s] = 1 once row i has had a non-PAD token at or before s
     position_ids[i, s]   = max(0, cumsum(attention_mask[i])[s] - 1)
 
-Sampling is our own loop over the model's KV cache with ``torch.multinomial(generator=...)``, not
-``model.generate``: HF's sampler draws from the global RNG, while the trainer needs the rollouts of
-step k to be a pure function of a (seed, k)-seeded generator, bit-identical on every rank and for
-every world size. The loop mirrors ``tinygpt.generate`` (one draw per row per step, finished or not).
+Sampling is our own loop over the model's KV cache (``gradnorm.sampling.decode``, shared with
+``tinygpt.generate``), not ``model.generate``: HF's sampler draws from the global RNG, while the
+trainer needs sequence i of step k to be a function of (seed, k, i) and the weights, whichever
+rank samples it and whatever the world size.
 
 ``build_tiny_llama`` / ``build_tiny_qwen2`` write a tiny random model and a character-level
 tokenizer (built locally with ``tokenizers``, no download) to a directory that ``--model`` loads.
@@ -154,15 +154,17 @@ def generate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    uniforms: Tensor | None = None,
+    reduce=None,
 ) -> Tensor:
     """Sample up to ``max_new_tokens`` after each left-padded prompt; returns (B, P + max_new_tokens).
 
     Same contract as ``gradnorm.tinygpt.generate``: after a row's first EOS the row holds PAD, the
-    loop stops once every row has finished, and every step draws one sample for every row so the
-    generator's state never depends on which rows finished. ``model`` is the plain module (or an
-    FSDP2 module, whose forward gathers its shards; every rank then runs the same number of steps
-    because every rank samples the same global batch). ``use_cache=False`` recomputes the full
-    prefix at every step, for tests of the cache.
+    loop stops once every row has finished, and row i's tokens depend on its prompt and its row of
+    ``uniforms`` alone. ``model`` is the plain module, or an FSDP2 module, whose forward is a
+    collective: ranks that sample different sequences then pass ``reduce`` so that all of them run
+    the same number of steps. ``use_cache=False`` recomputes the full prefix at every step, for
+    tests of the cache.
     """
     B, P = prompts.shape
     attention, positions = padding_positions(prompts, P, pad_id)  # (B, P) each
@@ -182,7 +184,8 @@ def generate(
         cache = _cache_of(step, cache_kw)
         return step.logits[:, -1]  # only the new position
 
-    return decode(prompts, step.logits[:, -1], advance, max_new_tokens, eos_id, pad_id, temperature, generator)
+    return decode(prompts, step.logits[:, -1], advance, max_new_tokens, eos_id, pad_id, temperature, generator,
+                  uniforms, reduce)
 
 
 def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:

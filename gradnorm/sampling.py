@@ -1,9 +1,19 @@
-"""The one sampling loop: seeded, fixed-width autoregressive decoding for any policy.
+"""The one sampling loop: fixed-width autoregressive decoding driven by pre-drawn uniforms.
 
 ``decode`` owns everything the policies share (the output buffer, EOS bookkeeping, the draw of
 each token, when to stop); a policy supplies only its prefill logits and a function that feeds one
 new token and returns the next logits. TinyGPT (``tinygpt.generate``) and Hugging Face models
 (``hfmodels.generate``) both call it, so their sampling semantics cannot drift apart.
+
+The randomness is an argument, not a generator's running state: ``uniforms[i, t]`` in [0, 1)
+decides the token of row i at response position t by inverse-CDF sampling,
+
+    token = min{ v : cumsum(softmax(z / temperature))[v] > u * total },   total = the last cumsum
+
+so row i's tokens depend on its own logits and its own row of uniforms alone, never on which other
+rows share its batch or in what order. The trainer draws row i's uniforms from a generator seeded
+by (seed, step, i) (``rollout.sequence_uniforms``); any rank can then sample any sequence and get
+the tokens every other world size gets (to the rounding of the logits).
 """
 
 from __future__ import annotations
@@ -15,13 +25,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def sample_next(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
-    """One token per row from logits (B, V); temperature 0 means greedy (argmax)."""
+class NonFiniteLogitsError(ValueError):
+    """The policy produced NaN or +inf logits while sampling: its weights have diverged."""
+
+
+def sample_next(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
+    """One token per row from logits (B, V) and one uniform per row u (B,); temperature 0 is greedy."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)  # (B,)
     # float32 softmax: in bf16 the tail probabilities, and hence the samples, would be coarser.
     probs = F.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
+    cdf = torch.cumsum(probs, dim=-1)  # (B, V)
+    # Scaling u by the row's total (1 up to rounding) keeps u * total < cdf[-1], so the search
+    # cannot fall off the end; the clamp is the belt to those braces.
+    target = (u.to(cdf) * cdf[:, -1]).unsqueeze(1)  # (B, 1)
+    token = torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,): first v with cdf[v] > target
+    return token.clamp(max=logits.shape[-1] - 1)
+
+
+def _non_finite_rows(logits: Tensor) -> Tensor:
+    # -inf is a legitimate logit (a token with probability 0); NaN, +inf or a row with no finite
+    # logit at all cannot be sampled from.
+    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
 
 
 @torch.no_grad()
@@ -34,6 +59,8 @@ def decode(
     pad_id: int,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
+    reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Sample up to ``max_new_tokens`` after ``prompts`` (B, P); returns (B, P + max_new_tokens).
 
@@ -44,22 +71,43 @@ def decode(
     the loop stops and the rest stays ``pad_id``. A row that never samples EOS is truncated at
     max_new_tokens (its response has no EOS).
 
-    Determinism: every step draws exactly one sample for *every* row, finished or not, so the
-    generator's state after step t does not depend on which rows have finished. With the same
-    weights, prompts and generator state the output is bit-identical on every call (on the same
-    hardware and thread settings).
+    Noise: ``uniforms`` (B, max_new_tokens), row i for row i (what the trainer passes); without
+    it, one (B, max_new_tokens) block drawn up front from ``generator`` (on the generator's
+    device; the global RNG when None), which ties each row's noise to its place in the batch.
+
+    ``reduce`` sums a small int64 tensor over ranks (an all-reduce). Given, the loop stops only
+    when every rank's rows have finished, so ranks that decode together (FSDP2, whose forward is
+    a collective) run the same number of steps, and a non-finite logit on any rank stops all of
+    them; without it, this process stops when its own rows have.
+
+    Raises NonFiniteLogitsError when a step's logits hold NaN or +inf.
     """
     B, P = prompts.shape
-    out = torch.full((B, P + max_new_tokens), pad_id, dtype=torch.long, device=prompts.device)
+    device = prompts.device
+    if uniforms is None and temperature == 0.0:  # greedy needs no noise: leave every RNG untouched
+        uniforms = torch.zeros(B, max_new_tokens)
+    elif uniforms is None:
+        noise_device = generator.device if generator is not None else device
+        uniforms = torch.rand(B, max_new_tokens, generator=generator, device=noise_device)
+    uniforms = uniforms.to(device)  # (B, max_new_tokens)
+    out = torch.full((B, P + max_new_tokens), pad_id, dtype=torch.long, device=device)
     out[:, :P] = prompts
-    finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
     logits = prefill_logits
     for t in range(max_new_tokens):
-        token = sample_next(logits, temperature, generator)  # (B,)
+        bad = _non_finite_rows(logits) & ~finished  # (B,): only a running row samples from its logits
+        token = sample_next(logits, temperature, uniforms[:, t])  # (B,)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         out[:, P + t] = token
         finished |= token == eos_id
-        if t == max_new_tokens - 1 or bool(finished.all()):
+        # One host sync per step: [rows still running, rows with non-finite logits], over ranks.
+        status = torch.stack([(~finished).sum(), bad.sum()])
+        running, non_finite = (reduce(status) if reduce is not None else status).tolist()
+        if non_finite:
+            raise NonFiniteLogitsError(
+                f"the policy's logits became non-finite during sampling (NaN or inf at response position {t}): "
+                "its weights have diverged; lower --lr (or --max-grad-norm), or resume from an earlier checkpoint")
+        if t == max_new_tokens - 1 or running == 0:
             break
         logits = advance(token, t, out)
     return out

@@ -12,9 +12,10 @@ Two forward paths share every weight:
   of earlier positions are read from the cache instead of being recomputed, so each new token
   costs O(T) attention instead of a full O(T^2) forward.
 
-``generate`` samples a whole batch of responses. It must be a pure function of (weights, prompts,
-generator state): the trainer has every rank generate the whole global batch with the same seeded
-generator and keep its own slice, which is only correct if all ranks get bit-identical rollouts.
+``generate`` samples a batch of responses. Each row must be a pure function of (weights, its
+prompt, its own uniforms): the trainer has each rank sample only its share of the global batch,
+with per-sequence noise, and gathers the rest, which is only correct if a sequence's tokens do
+not depend on the batch it was sampled in.
 """
 
 import math
@@ -191,6 +192,8 @@ def generate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    uniforms: torch.Tensor | None = None,
+    reduce=None,
 ) -> torch.Tensor:
     """Sample up to ``max_new_tokens`` tokens after each prompt; returns (B, P + max_new_tokens).
 
@@ -199,14 +202,15 @@ def generate(
     is ``pad_id``, and if every row finishes early the loop stops and the rest stays ``pad_id``.
     A row that never samples EOS is truncated at max_new_tokens (its response has no EOS).
 
-    ``temperature`` 0 is greedy decoding (for evaluation). ``generator`` must live on the model's
-    device. ``use_cache=False`` recomputes the full forward at every step (O(T^2) per token); it
-    exists for the KV-cache benchmark and for tests that compare the two paths.
+    ``temperature`` 0 is greedy decoding (for evaluation). The noise is ``uniforms``
+    (B, max_new_tokens), one row per sequence (the trainer's per-sequence draws), or else a block
+    drawn up front from ``generator``; ``reduce`` keeps ranks that decode together in step
+    (``sampling.decode`` says how). ``use_cache=False`` recomputes the full forward at every step
+    (O(T^2) per token); it exists for the KV-cache benchmark and for tests that compare the two paths.
 
-    Determinism: every step draws exactly one sample for *every* row, finished or not, so the
-    generator's state after step t does not depend on which rows have finished. With the same
-    weights, prompts and generator state the output is bit-identical on every call (on the same
-    hardware and thread settings).
+    Determinism: row i's tokens are a function of (weights, prompt i, uniforms[i]) alone, so with
+    the same inputs the output is bit-identical on every call (on the same hardware and thread
+    settings), and a row samples the same tokens in any batch (to the rounding of its logits).
     """
     B, P = prompts.shape
     total = P + max_new_tokens
@@ -220,7 +224,7 @@ def generate(
         return model(out[:, : P + t + 1])[:, -1]  # the whole prefix again
 
     prefill = model(prompts, kv_cache=cache)[:, -1]  # (B, V)
-    return decode(prompts, prefill, advance, max_new_tokens, eos_id, pad_id, temperature, generator)
+    return decode(prompts, prefill, advance, max_new_tokens, eos_id, pad_id, temperature, generator, uniforms, reduce)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,11 +25,14 @@ optimizer step), ``warmup.json``, ``ckpt_step{N}.pt`` and ``learning_curve.png``
 
 One optimizer step (S = prompts-per-step * group-size sequences, the same for every W):
 
- 1. Rollout. Every rank samples the whole global rollout batch with generators seeded from
-    (seed, step), using the unwrapped model: the batch depends on the seed, the step and the
-    weights, never on W, A or the sharding (gradnorm.rollout). On CPU each process runs with
-    --cpu-threads threads (1 by default) because matmuls round differently with different thread
-    counts, and a one-ulp difference in a logit can flip a sampled token between W=1 and W=2.
+ 1. Rollout. Prompts come from a generator seeded by (seed, step), and sequence i samples its
+    tokens from uniforms seeded by (seed, step, i), so the global batch depends on the seed, the
+    step and the weights, never on W, A or the sharding (gradnorm.rollout). Under --rollouts
+    sharded (the default) each rank samples only its share of the prompt groups, with the
+    unwrapped model, and one all_gather of tokens and rewards gives every rank the whole batch;
+    replicated has every rank sample all of it. On CPU each process runs with --cpu-threads
+    threads (1 by default) because matmuls round differently with different thread counts, and a
+    one-ulp difference in a logit can flip a sampled token between W=1 and W=2.
  2. Shard. ``sharding.make_plan(--shard, lengths, W, A)`` assigns sequences to ranks and
     microbatches; each rank keeps plan[rank].
  3. Accumulate. ``dist.comm.global_counts`` counts this rank's response tokens and all-reduces
@@ -276,10 +279,12 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         # 1. Rollout: sampled once per rollout batch, then reused by its U updates.
         j = (step - 1) % U  # which update of the current rollout batch this is
         if j == 0 or rollout is None:
+            # sharded: this rank samples its share of the groups, then one all_gather; replicated: all of them
+            share = dict(rank=ctx.rank, world_size=W) if cfg.rollouts == "sharded" else dict(rank=0, world_size=1)
             with wrap.gathered_for_sampling(model) as sampler, autocast():
                 rollout = generate_rollout(sampler, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                            group_size=cfg.group_size, seed=cfg.seed, step=step - j,
-                                           temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std)
+                                           temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
             with torch.no_grad(), autocast():  # log-probs of the sampling policy, needed once samples are reused
                 old_logp = score(model, rollout.tokens, P)[0] if U > 1 else None
                 ref_logp = score(ref, rollout.tokens, P)[0] if ref is not None else None

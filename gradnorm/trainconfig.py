@@ -57,6 +57,11 @@ class TrainConfig:
     """Minibatches (optimizer steps) per rollout batch, PPO style; 1 is fully on-policy."""
     epochs: int = 1
     """Passes over each rollout batch; more than 1 reuses samples off-policy (the clip matters)."""
+    rollouts: Literal["sharded", "replicated"] = "sharded"
+    """Who samples the rollout batch. sharded: each rank samples its share of the prompt groups and
+    one all_gather gives every rank the whole batch (generation shrinks with W). replicated: every
+    rank samples the whole batch itself (W-fold generation, no collective). Both give the same
+    batch for any W: sequence i of step k draws its noise from (seed, k, i) alone."""
 
     # ---- GRPO objective
     beta: float = 0.0

@@ -86,7 +86,7 @@ def test_generate_is_reproducible_and_depends_on_the_seed():
 
 
 def test_generate_with_and_without_cache_sample_the_same_tokens():
-    # The logits of the two paths agree to ~1e-6, so with a shared generator the multinomial
+    # The logits of the two paths agree to ~1e-6, so with a shared generator the inverse-CDF
     # draws land in the same bins (a flip would need a uniform draw within ~1e-6 of a boundary).
     model, prompts = make_model(), random_tokens(32, P)
     torch.testing.assert_close(sample(model, prompts, 3, use_cache=True),

@@ -1,7 +1,9 @@
 """The trainer end to end, with real ``torchrun`` launches of ``gradnorm/train.py`` over gloo.
 
 What must hold, on one tiny config (4 prompts x 4 completions, ragged response lengths):
-- the rollout batch of step 1 is bit-identical for every world size, accumulation and sharding;
+- the rollout batch of step 1 is bit-identical for every world size, accumulation and sharding,
+  under ``--rollouts sharded`` (the default: each of 2 ranks samples 2 of the 4 groups, then one
+  all_gather) and ``replicated`` (every rank samples all 4);
 - step 1's gradient norm (before clipping) is the same to fp32 rounding for (W, A) = (1,1), (1,4),
   (2,1), (2,2) and every sharding under ``token``, and for (1,1) vs (2,2) sorted by length under
   ``sequence``, ``group`` and a constant C;
@@ -10,7 +12,7 @@ What must hold, on one tiny config (4 prompts x 4 completions, ragged response l
 - a run interrupted and resumed from its checkpoint logs exactly the metrics of one that was not.
 
 The (1,1) references run the script's ``main()`` in one plain Python process (no torchrun);
-every other run is its own torchrun launch, one after another (11 torchrun launches).
+every other run is its own torchrun launch, one after another (12 torchrun launches).
 """
 
 import json
@@ -48,7 +50,10 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{(mode, W, A, shard): step-1 metrics} for every launch, plus the resume test's directories."""
+    """{(mode, W, A, shard): step-1 metrics} for every launch, plus the resume test's directories.
+
+    Every launch samples with the default --rollouts sharded but one, keyed (mode, W, A, shard, "replicated").
+    """
     base = tmp_path_factory.mktemp("train")
     # (1,1): one plain Python process runs main() once per mode.
     script = ("import sys; from gradnorm.train import main\n"
@@ -66,6 +71,9 @@ def runs(tmp_path_factory):
         torchrun(world_size, out, "--steps", "1", "--loss-denominator", mode,
                  "--grad-accum-steps", str(accum), "--shard", shard)
         found[mode, world_size, accum, shard] = metrics(out)[0]
+    torchrun(2, base / "replicated", "--steps", "1", "--grad-accum-steps", "2", "--shard", "balanced",
+             "--rollouts", "replicated")
+    found["token", 2, 2, "balanced", "replicated"] = metrics(base / "replicated")[0]
     # token, (2,2), sorted by length: 4 uninterrupted steps, which also serve the resume test.
     full = base / "full"
     torchrun(2, full, "--steps", "4", "--save-every", "2", "--grad-accum-steps", "2", "--shard", "length")
@@ -76,6 +84,7 @@ def runs(tmp_path_factory):
 def test_step_one_rollouts_are_bit_identical_across_world_size_accumulation_and_sharding(runs):
     found, _ = runs
     digests = {key: m["rollout_digest"] for key, m in found.items()}
+    assert ("token", 2, 2, "balanced", "replicated") in digests and ("token", 2, 1, "interleave") in digests
     assert len(set(digests.values())) == 1, digests
     for key, m in found.items():  # the same rollout means the same global token count, however split
         assert sum(m["tokens_per_rank"]) == m["tokens"] == found["token", 1, 1, "interleave"]["tokens"], key

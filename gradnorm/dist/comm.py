@@ -1,9 +1,9 @@
 """The process group and its collectives: setup, THE all-reduce of counts, rank-0 printing.
 
 It sets up the process group (NCCL on CUDA, gloo on CPU, chosen automatically), performs the one
-all-reduce of counts per minibatch, reduces logging statistics, and prints on rank 0. Every
-function also works in a plain single process with no process group, where a reduction is the
-identity.
+all-reduce of counts per minibatch, reduces logging statistics, gathers the sharded rollouts, and
+prints on rank 0. Every function also works in a plain single process with no process group,
+where a reduction or a gather is the identity.
 """
 
 from __future__ import annotations
@@ -89,6 +89,19 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     if _active():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_gather(tensor: Tensor) -> Tensor:
+    """Every rank's ``tensor`` (same shape on all), stacked in rank order: (W, *tensor.shape).
+
+    The identity without a process group: ``tensor[None]``. Used once per rollout batch, to give
+    every rank the sequences the other ranks sampled (``rollout.generate_rollout``).
+    """
+    if not _active():
+        return tensor[None]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts)
 
 
 def barrier() -> None:
