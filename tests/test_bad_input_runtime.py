@@ -303,8 +303,9 @@ def test_a_user_reward_that_raises_mid_rollout_shows_its_own_frames_only(tmp_pat
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines[0].startswith("error: reward function raising_rewards:score raised ValueError('invalid literal for "
-                               "int() with base 10"), proc.stderr
+    # the message quotes the sampled response, whose own quotes decide repr's quote character
+    assert lines[0].startswith("error: reward function raising_rewards:score raised ValueError("), proc.stderr
+    assert "invalid literal for int() with base 10" in lines[0], proc.stderr
     assert "on sequence 0 (answer '" in lines[0]
     assert "Traceback" not in proc.stderr and "gradnorm" not in "\n".join(lines[1:]), proc.stderr
     assert lines[1:3] == [f'  File "{tmp_path / "pkgs" / "raising_rewards.py"}", line 4, in score',
