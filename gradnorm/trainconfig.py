@@ -131,7 +131,11 @@ class TrainConfig:
     save_every: int = 100
     """Checkpoint every this many optimizer steps (and always at the end); 0: only at the end."""
     resume: bool = False
-    """Continue from the latest checkpoint in output-dir (its metrics.jsonl is cut back to it)."""
+    """Continue from the latest complete checkpoint in output-dir (its metrics.jsonl is cut back to
+    it), on any number of ranks and under either --parallel."""
+    export_hf: str = "auto"
+    """Where a Hugging Face --model is saved at the end with save_pretrained (safetensors and its
+    tokenizer, for AutoModelForCausalLM.from_pretrained): auto is output-dir/final, none skips it."""
     plot: bool = True
     """Draw learning_curve.png from metrics.jsonl at the end (needs matplotlib)."""
     log_every: int = 10
@@ -160,6 +164,13 @@ class TrainConfig:
     def builtin(self) -> bool:
         """Derived: whether the model is the built-in TinyGPT on the built-in task."""
         return self.model == "tiny"
+
+    @property
+    def export_dir(self) -> Path | None:
+        """Derived: the directory of --export-hf, or None (the built-in model, or none)."""
+        if self.builtin or self.export_hf == "none":
+            return None
+        return Path(self.output_dir) / "final" if self.export_hf == "auto" else Path(self.export_hf)
 
     def autocast_dtype(self, device_type: str) -> torch.dtype | None:
         """Derived: bfloat16 when bf16 autocast is on for ``device_type``, else None (fp32)."""
@@ -196,6 +207,8 @@ class TrainConfig:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.builtin and self.gradient_checkpointing:
             raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
+        if self.builtin and self.export_hf not in ("auto", "none"):
+            raise ValueError("--export-hf needs a Hugging Face --model; the built-in tiny model is not one")
         if not self.builtin:
             _check_real_model_inputs(self.model, self.prompts, self.reward)
         check_divisible(self.sequences_per_step, world_size, self.grad_accum_steps)
