@@ -69,10 +69,17 @@ METADATA_FILE = ".metadata"
 def training_state(model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module | None = None) -> dict[str, Any]:
     """{"model", "optimizer"[, "ref"]}, keyed by parameter name; this rank's shards under FSDP2.
 
-    Before the optimizer's first step torch initializes AdamW's state with a zero-gradient step
-    at lr 0 (which changes no weight), so a fresh optimizer has the placeholders a load fills.
+    Before the optimizer's first step torch creates AdamW's state with a zero-gradient step at
+    lr 0 (no weight changes), so a fresh optimizer has the placeholders a load fills. That step
+    also counts itself (step = 1), which would change the next update's bias correction: a save
+    after skipped first steps, or a resume, would alter training. Zero moments at step 0 are
+    exactly AdamW's fresh state, so the count is put back.
     """
+    fresh = not opt.state
     model_state, optim_state = get_state_dict(unwrap(model), opt)
+    if fresh:
+        for param_state in opt.state.values():
+            param_state["step"].zero_()
     state = {"model": model_state, "optimizer": optim_state}
     if ref is not None:  # replicated on every rank, a plain module: DCP writes each tensor once
         state["ref"] = ref.state_dict()
