@@ -28,6 +28,7 @@ benchmarks/checkpoint_memory.py): about nothing beyond its shard, against the wh
 """
 
 import errno
+import json
 import os
 import pickle
 import shutil
@@ -138,6 +139,21 @@ def test_taking_the_state_of_a_fresh_optimizer_does_not_change_its_next_update()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     assert torch.equal(weights_after_one_step(True), weights_after_one_step(False))
+
+
+@pytest.mark.parametrize("config, says", [
+    (None, "cannot read the run's config.json"),
+    ({"model": "tiny"}, "trained the built-in TinyGPT, which is not a Hugging Face model"),
+    ({"model": "some/model"}, "no complete checkpoint ckpt_step*/"),
+])
+def test_the_export_command_says_in_one_line_what_it_cannot_convert(config, says, tmp_path, capsys):
+    from gradnorm import export
+
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    assert export.main([str(tmp_path), "--out", str(tmp_path / "hf")]) == 1
+    one_error_line(capsys.readouterr().err, says)
+    assert not (tmp_path / "hf").exists()
 
 
 def real_checkpoint(directory: Path) -> Path:
