@@ -87,7 +87,12 @@ def training_state(model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module 
 
 
 def apply_training_state(model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module | None, state: dict) -> None:
-    """Load what ``read`` filled into the model, the optimizer and the reference."""
+    """Load what ``read`` filled into the model, the optimizer and the reference.
+
+    The placeholders ``training_state`` returns are mostly the live tensors themselves (so
+    ``read`` already wrote into them), but torch does not promise that, nor for the
+    optimizer's step counts; this is the documented way back.
+    """
     set_state_dict(unwrap(model), opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if ref is not None:
         ref.load_state_dict(state["ref"])
@@ -113,7 +118,8 @@ def tensor_leaves(state: Any, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
 
 
 def tensors_only(state: Any) -> Any:
-    """The same nesting with only the tensors (same objects, so a load into it fills ``state``)."""
+    """The same nesting with only the tensors (the same objects, so a load into it fills ``state``);
+    lists (the optimizer's param_groups) and other values are left out."""
     if isinstance(state, dict):
         kept = {k: tensors_only(v) for k, v in state.items()}
         return {k: v for k, v in kept.items() if v is not None}
