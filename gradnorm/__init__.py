@@ -16,12 +16,13 @@ Pure core (no torch.distributed)
 
 Distributed shell and the step
 - ``dist``          the only package that touches torch.distributed: ``comm`` (process group, THE
-                    all-reduce of counts), ``wrap`` (DDP/FSDP2), ``harness`` (spawned gloo checks)
+                    all-reduce of counts), ``wrap`` (DDP/FSDP2), ``state`` (the training state by
+                    name, sharded checkpoint I/O), ``harness`` (spawned gloo checks)
 - ``update``        one rank's accumulation of its microbatches, given the global counts
 
 Trainer
 - ``train``, ``trainconfig``, ``rollout``, ``sampling``, ``tinygpt``, ``tasks``, ``hfmodels``,
-  ``prompts``, ``checkpointing``: ``torchrun gradnorm/train.py`` and what it is built from
+  ``prompts``, ``checkpointing``, ``export``: ``torchrun gradnorm/train.py`` and what it is built from
 
 Teaching (notebooks and figures)
 - ``modes``         the notebooks' mode names: the core's modes plus Dr GRPO's "constant"

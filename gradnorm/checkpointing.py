@@ -1,99 +1,259 @@
-"""Checkpoints that survive a crash mid-write and load with ``torch.load(weights_only=True)``.
+"""Checkpoints: one directory per step, written by every rank at once, complete or absent.
 
-A checkpoint is written to a temporary file in the destination directory and then renamed over
-``ckpt_step{N}.pt`` with ``os.replace``: on POSIX a rename within one filesystem is atomic, so a
-reader sees either the old file or the complete new one, never a torn write. Everything in it is a
-tensor, a number, a string or a container of those, which is what ``weights_only=True`` (the safe
-unpickler) accepts; RNG states are therefore stored as tensors.
+Layout of output-dir/ (the same for ``--parallel ddp``, ``fsdp`` and a plain process):
+
+    ckpt_step{N}/              the state after optimizer step N, complete
+        .metadata              DCP's index of the tensors (written last by the coordinator)
+        __{r}_0.distcp         rank r's part: its shards of the model and AdamW state under FSDP2
+                               (under DDP DCP spreads the replicated tensors over the ranks), the
+                               reference policy when --beta > 0, and rank r's RNG states
+        trainer_state.json     the trainer's counters (train.RunState: step, warm-up record,
+                               elapsed_s, skipped, in_a_row), plain JSON
+    .ckpt_step{N}.tmp/         a checkpoint being written, never read
+
+Atomic. ``save`` writes into ``.ckpt_step{N}.tmp``; once every rank has written its part and the
+coordinator its ``.metadata``, rank 0 adds trainer_state.json, fsyncs it and renames the directory
+to ``ckpt_step{N}``. A rename within one filesystem is atomic on POSIX, so a crash at any moment
+(SIGKILL mid-write included) leaves the earlier checkpoints as they were and at most a ``.tmp``
+directory, which ``latest_checkpoint`` ignores and the next save of that step replaces.
+
+Failures. Each of the three phases (rank 0 makes the temporary directory; every rank writes; rank 0
+publishes) ends with every rank agreeing that it worked (``comm.all_true``), so a full disk or a
+permission error on any rank is the same ``CheckpointError`` on every rank, never a hang; the
+temporary directory is removed and the earlier checkpoints stay.
+
+Resharding. Tensors are stored by name with their global shape (``gradnorm.dist.state``), so a
+checkpoint loads into any world size and either ``--parallel``: 2 FSDP2 ranks -> 1 plain process,
+DDP -> FSDP2, and back.
+
+Safe loading. Nothing in a checkpoint is ever unpickled without an allow-list: trainer_state.json is
+JSON; ``.metadata`` goes through a restricted unpickler and tensors through
+``torch.load(weights_only=True)`` (details in ``gradnorm.dist.state``). RNG states are tensors.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
 import re
-import tempfile
-import warnings
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-_NAME = re.compile(r"^ckpt_step(\d+)\.pt$")
+from gradnorm.dist import comm
+from gradnorm.dist import state as dist_state
+
+_NAME = re.compile(r"^ckpt_step(\d+)$")
+RUN_FILE = "trainer_state.json"
+ADVICE = "delete it to resume from an earlier checkpoint, or start over without --resume"
 
 
-def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (full disk, permissions...); the earlier ones are intact."""
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     """Where the checkpoint taken after optimizer step ``step`` lives."""
-    return Path(output_dir) / f"ckpt_step{step}.pt"
-
-
-def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
-    """torch.save ``state`` to ``path`` atomically: temporary file in the same directory, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-TRAINER_KEYS = ("model", "optimizer", "step", "rng", "warmup", "elapsed_s")
-"""What a checkpoint written by gradnorm/train.py holds at least."""
-
-
-def load(path: str | Path, map_location: str | torch.device = "cpu", required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Load a checkpoint with the safe unpickler (tensors and plain containers only).
-
-    A missing, truncated or corrupt file, one that the safe unpickler refuses (a pickle naming a
-    class or function, e.g. a malicious ``__reduce__``), or one without the ``required`` keys is a
-    one-line ``ValueError`` naming the file and what to do; nothing in it is ever executed.
-    """
-    path = Path(path)
-    advice = "delete it to resume from an earlier checkpoint, or start over without --resume"
-    if not path.is_file():
-        raise ValueError(f"checkpoint {path} does not exist")
-    try:
-        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": noise next to the error below
-            warnings.simplefilter("ignore", UserWarning)
-            state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError... with long messages
-        if isinstance(err, pickle.UnpicklingError):  # never suggest weights_only=False, as torch's message does
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-            what = f"it references {found.group(1)}" if found else "it holds more than tensors and plain containers"
-            raise ValueError(f"checkpoint {path} is refused by the safe unpickler (weights_only=True): {what}, "
-                             f"so it is not a gradnorm checkpoint and may be malicious; {advice}") from None
-        first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {first}); {advice}") from None
-    missing = [k for k in required if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (missing {', '.join(missing)}); "
-                         f"{advice}")
-    return state
+    return Path(output_dir) / f"ckpt_step{step}"
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The checkpoint with the highest step in ``output_dir``, or None (temporary files are ignored)."""
-    found = [(int(m.group(1)), p) for p in Path(output_dir).glob("ckpt_step*.pt") if (m := _NAME.match(p.name))]
+    """The complete checkpoint with the highest step in ``output_dir``, or None.
+
+    Only a finished checkpoint has the name ``ckpt_step{N}`` (the rename is the last act of
+    ``save``); a ``.ckpt_step{N}.tmp`` left by a crash is ignored.
+    """
+    found = [(int(m.group(1)), p) for p in Path(output_dir).glob("ckpt_step*") if (m := _NAME.match(p.name)) and p.is_dir()]
     return max(found)[1] if found else None
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG a run might draw from, as tensors: torch (CPU and CUDA), Python, NumPy."""
+def remove_all(output_dir: str | Path) -> None:
+    """Delete every checkpoint and temporary checkpoint in ``output_dir`` (a fresh run's start)."""
+    for path in [*Path(output_dir).glob("ckpt_step*"), *Path(output_dir).glob(".ckpt_step*.tmp")]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+# ------------------------------------------------------------------ save
+
+
+def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str, Any], rank: int) -> Path:
+    """Write ``state`` (named tensors, ``dist.state.training_state``), this rank's RNG states and
+    ``run`` (JSON, written by rank 0) as ``ckpt_step{step}``. Every rank must call it."""
+    final, tmp = checkpoint_dir(output_dir, step), Path(output_dir) / f".ckpt_step{step}.tmp"
+    previous = latest_checkpoint(output_dir)
+    state = {**state, "rng": {f"rank{rank}": rng_state()}}
+
+    def fresh_tmp():  # rank 0: an empty temporary directory (a torn one from a crash goes)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    def publish():  # rank 0: the counters, then the atomic rename
+        if rank == 0:
+            _write_synced(tmp / RUN_FILE, json.dumps(run, indent=2) + "\n")
+            if final.exists():  # the same step saved again (a rerun): the new one replaces it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+
+    for phase in (fresh_tmp, lambda: dist_state.write(state, tmp), publish):
+        error = None
+        try:
+            phase()
+        except Exception as err:  # any rank's failure must reach every rank, or the others would hang
+            error = err
+        if not comm.all_true(error is None):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            what = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
+            kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+            raise CheckpointError(f"could not write checkpoint {final} ({what}); the temporary files are "
+                                  f"removed and {kept}")
+    return final
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes the checkpoint visible
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power loss
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ load
+
+
+def read_run_state(path: str | Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """trainer_state.json of a checkpoint: a one-line ValueError if absent, corrupt or incomplete."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist")
+    try:
+        run = json.loads((path / RUN_FILE).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (missing {RUN_FILE}); {ADVICE}") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({RUN_FILE}: {_first_line(err)}); {ADVICE}") from None
+    missing = [k for k in required if not isinstance(run, dict) or k not in run]
+    if missing:
+        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint ({RUN_FILE} lacks "
+                         f"{', '.join(missing)}); {ADVICE}")
+    return run
+
+
+def load(path: str | Path, state: dict[str, Any], rank: int) -> None:
+    """Fill ``state``'s tensors in place from the checkpoint, resharded to this run, and restore
+    this rank's RNG states (rank 0's when the checkpoint was written by fewer ranks)."""
+    path = Path(path)
+    stored = _stored_tensors(path)
+    _check_same_model(path, stored, state)
+    key = f"rank{rank}" if f"rng.rank{rank}.torch" in stored else "rank0"
+    rng = {name: t for name, t in rng_state().items() if f"rng.{key}.{name}" in stored}  # CUDA only if saved
+    try:
+        dist_state.read({**state, "rng": {key: rng}}, path)
+    except Exception as err:
+        raise _load_error(path, err) from None
+    set_rng_state(rng)
+
+
+def read_tensors(path: str | Path, name: str = "model") -> dict[str, torch.Tensor]:
+    """One part of a checkpoint (``model``, ``ref``...) as full CPU tensors, whatever wrote it.
+
+    For tools (``gradnorm.export``) and tests, in a process without a process group.
+    """
+    path = Path(path)
+    prefix = name + "."
+    part = {key[len(prefix):]: torch.empty(shape, dtype=dtype)
+            for key, (shape, dtype) in _stored_tensors(path).items() if key.startswith(prefix)}
+    if not part:
+        raise ValueError(f"checkpoint {path} holds no {name} tensors; {ADVICE}")
+    try:
+        dist_state.read({name: part}, path)
+    except Exception as err:
+        raise _load_error(path, err) from None
+    return part
+
+
+def _stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist")
+    try:
+        metadata = dist_state.read_metadata(path)
+    except dist_state.RefusedPickle as err:
+        raise ValueError(f"checkpoint {path} is refused by the safe unpickler of its {dist_state.METADATA_FILE}: "
+                         f"{err}, so it is not a gradnorm checkpoint and may be malicious; {ADVICE}") from None
+    except Exception as err:  # EOFError, "invalid load key"...: not a refusal, broken bytes
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({dist_state.METADATA_FILE}: "
+                         f"{type(err).__name__}: {_first_line(err)}); {ADVICE}") from None
+    stored = dist_state.stored_tensors(metadata)
+    if "rng.rank0.torch" not in stored:
+        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (no RNG states); {ADVICE}")
+    return stored
+
+
+def _check_same_model(path: Path, stored: dict, state: dict) -> None:
+    expected = dict(dist_state.tensor_leaves(state))  # DTensors report their global shape
+    problem = None
+    for key, tensor in expected.items():
+        if key.startswith("ref.") and key not in stored:
+            raise ValueError(f"checkpoint {path} holds no reference policy (it was written with --beta 0); "
+                             "resume with --beta 0")
+        if key not in stored:
+            problem = f"it lacks {key}"
+        elif stored[key][0] != tuple(tensor.shape):
+            problem = f"{key} is {list(stored[key][0])} there, {list(tensor.shape)} here"
+        if problem:
+            break
+    extra = [k for k in stored if k.startswith("model.") and k not in expected]
+    problem = problem or (f"it has {extra[0]}, which this model lacks" if extra else None)
+    if problem:
+        raise ValueError(f"checkpoint {path} holds a different model ({problem}); "
+                         "resume with the --model (--n-layer/--n-head/--n-embd) it was trained with")
+
+
+def _load_error(path: Path, err: BaseException) -> ValueError:
+    if isinstance(err, pickle.UnpicklingError):  # torch.load(weights_only=True) refused a tensor payload
+        found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.I)
+        what = f"it references {found.group(1)}" if found else "it holds more than tensors"
+        # never repeat torch's message, which suggests weights_only=False
+        return ValueError(f"checkpoint {path} is refused by the safe unpickler (weights_only=True): {what}, so it "
+                          f"is not a gradnorm checkpoint and may be malicious; {ADVICE}")
+    return ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {_first_line(err)}); {ADVICE}")
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:160]
+
+
+# ------------------------------------------------------------------ RNG states, as tensors
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """Every RNG a run might draw from, as tensors: torch (CPU and CUDA), Python, NumPy.
+
+    The trainer's own randomness does not depend on them: rollouts and the warm-up draw from
+    generators seeded by (seed, step), and TinyGPT and the tiny test models have no dropout. They
+    are saved per rank so that anything drawing from the global RNGs (dropout in a Hugging Face
+    model, a user's reward) continues its stream on resume.
+    """
     py_version, py_words, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
         "python": torch.tensor([py_version, *py_words], dtype=torch.int64),
-        "python_gauss": torch.tensor([] if py_gauss is None else [py_gauss], dtype=torch.float64),
+        "python_gauss": torch.tensor([0.0 if py_gauss is None else py_gauss, py_gauss is not None], dtype=torch.float64),
         "numpy": torch.from_numpy(np_keys.astype(np.int64)),
         "numpy_extra": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
     }
@@ -103,12 +263,12 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     """Restore what ``rng_state`` captured."""
     torch.set_rng_state(state["torch"])
     words = state["python"].tolist()
-    gauss = state["python_gauss"].tolist()
-    random.setstate((words[0], tuple(words[1:]), gauss[0] if gauss else None))
+    gauss, has_gauss = state["python_gauss"].tolist()
+    random.setstate((words[0], tuple(words[1:]), gauss if has_gauss else None))
     pos, has_gauss, cached = state["numpy_extra"].tolist()
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
     if "cuda" in state and torch.cuda.is_available():

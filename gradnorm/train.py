@@ -21,7 +21,9 @@ Run it from the repository root (after ``make install`` or ``pip install -e .``)
 
 ``--help`` documents every flag (they come from ``gradnorm.trainconfig.TrainConfig``). Rank 0
 alone prints and writes ``output-dir/``: ``config.json``, ``metrics.jsonl`` (one JSON object per
-optimizer step), ``warmup.json``, ``ckpt_step{N}.pt`` and ``learning_curve.png``.
+optimizer step), ``warmup.json`` and ``learning_curve.png``. Every rank writes its shards of
+``ckpt_step{N}/`` (gradnorm.checkpointing: sharded, atomic, resumable on any W and --parallel), and a
+Hugging Face run ends with its policy in ``final/`` (gradnorm.export, ``from_pretrained``-ready).
 
 One optimizer step (S = prompts-per-step * group-size sequences, the same for every W):
 
@@ -76,7 +78,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 try:  # run as a script, sys.path[0] is gradnorm/; a plain checkout has no installed package
@@ -87,8 +89,9 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, failures, hfmodels, memory, preflight, rundir
+from gradnorm import checkpointing, export, failures, hfmodels, memory, preflight, rundir
 from gradnorm.dist import comm, wrap
+from gradnorm.dist import state as dist_state
 from gradnorm.grpo import finalize_stats, grpo_token_losses
 from gradnorm.prompts import PromptTask
 from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
@@ -135,7 +138,9 @@ def resume_point(cfg: TrainConfig) -> Path | None:
         return None
     path = checkpointing.latest_checkpoint(cfg.output_dir)
     if path is None:
-        raise ValueError(f"--resume: no checkpoint ckpt_step*.pt in {cfg.output_dir}")
+        old = " (its ckpt_step*.pt files are the single-file format of earlier versions)" \
+            if any(Path(cfg.output_dir).glob("ckpt_step*.pt")) else ""
+        raise ValueError(f"--resume: no complete checkpoint ckpt_step*/ in {cfg.output_dir}{old}")
     rundir.compare_resumed(cfg, rundir.read_config(Path(cfg.output_dir)))
     done = re.match(r"ckpt_step(\d+)", path.name)
     if done and int(done.group(1)) >= cfg.steps:
@@ -209,18 +214,15 @@ class RunState:
     """The same, in a row up to the last step."""
 
 
-def start_or_resume(cfg: TrainConfig, model: torch.nn.Module, task, ckpt_path: Path | None, autocast) -> tuple[RunState, dict | None]:
-    """A fresh run (reward, warm-up, reward) or the checkpoint's weights and state; (state, checkpoint)."""
+RUN_FIELDS = tuple(f.name for f in fields(RunState))
+
+
+def start_or_resume(cfg: TrainConfig, model: torch.nn.Module, task, ckpt_path: Path | None, autocast) -> RunState:
+    """A fresh run (reward, warm-up, reward), or the checkpoint's counters (its tensors are loaded
+    by ``load_checkpoint`` once the model is wrapped, into this run's shards)."""
     if ckpt_path is not None:
-        # on the CPU: RNG states must stay CPU tensors; load_state_dict copies the rest to the device
-        ckpt = checkpointing.load(ckpt_path, required=checkpointing.TRAINER_KEYS)
-        try:
-            model.load_state_dict(ckpt["model"])
-        except RuntimeError as err:
-            raise ValueError(f"checkpoint {ckpt_path} holds a different model ({(str(err).splitlines() + [''])[1].strip()[:120]}); "
-                             "resume with the --model (--n-layer/--n-head/--n-embd) it was trained with") from None
-        return RunState(ckpt["step"], ckpt["warmup"], ckpt["elapsed_s"], ckpt.get("skipped_steps", 0),
-                        ckpt.get("skipped_in_a_row", 0)), ckpt
+        run = checkpointing.read_run_state(ckpt_path, required=RUN_FIELDS)
+        return RunState(**{k: run[k] for k in RUN_FIELDS})
     t = time.perf_counter()
     with autocast():
         before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
@@ -232,7 +234,7 @@ def start_or_resume(cfg: TrainConfig, model: torch.nn.Module, task, ckpt_path: P
     warmup = {"steps": cfg.warmup_steps if cfg.builtin else 0, "reward_before": before,
               "reward_after": after, "seconds": time.perf_counter() - t}
     comm.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward {before:.3f} -> {after:.3f}")
-    return RunState(warmup=warmup), None
+    return RunState(warmup=warmup)
 
 
 def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> None:
@@ -248,21 +250,17 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     def autocast():
         return contextlib.nullcontext() if amp_dtype is None else torch.autocast(ctx.device.type, dtype=amp_dtype)
 
-    run, ckpt = start_or_resume(cfg, model, task, ckpt_path, autocast)
+    run = start_or_resume(cfg, model, task, ckpt_path, autocast)
     ref = None
-    if cfg.beta > 0:  # the frozen reference: the policy after warm-up
+    if cfg.beta > 0:  # the frozen reference: the policy after warm-up (on resume, the checkpoint's)
         ref = copy.deepcopy(model).requires_grad_(False).eval()
-        if ckpt is not None:
-            ref.load_state_dict(ckpt["ref_model"])
     # What the training forward goes through: DDP around the model, or the model itself (FSDP2
     # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
     dp_model = wrap.wrap_policy(model, cfg.parallel, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if ckpt is not None:
-        wrap.load_optimizer_state(model, opt, ckpt["optimizer"])
-        checkpointing.set_rng_state(ckpt["rng"])
+    if ckpt_path is not None:  # weights, AdamW state, reference and RNGs, resharded to this W and --parallel
+        load_checkpoint(ckpt_path, model, opt, ref, ctx)
         comm.print0(f"resumed from {ckpt_path} at step {run.step}")
-        del ckpt
 
     metrics = None
     if ctx.is_main:  # the directory is locked and an old run set aside by main (gradnorm.rundir)
@@ -334,6 +332,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
                                 "the weights are unchanged since step " f"{step - run.in_a_row}: lower --lr or "
                                 "check the reward, or raise --max-skipped-steps")
     bar.close()
+    if cfg.export_dir is not None:  # the trained Hugging Face policy, loadable with from_pretrained
+        export.save_trained(model, task.tokenizer_hf, cfg.export_dir, ctx.is_main)
     if ctx.is_main:
         metrics.close()
         summarize(out, cfg.plot)
@@ -393,15 +393,15 @@ def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
 
 
 def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext) -> None:
-    """Write ckpt_step{N}.pt atomically (rank 0); under FSDP every rank takes part in gathering it."""
-    model_state, opt_state = wrap.full_state_dict(model), wrap.optimizer_state(model, opt)
-    if ctx.is_main:
-        checkpointing.save_atomic({
-            "model": model_state, "optimizer": opt_state, "step": run.step,
-            "rng": checkpointing.rng_state(), "warmup": run.warmup, "elapsed_s": run.elapsed_s,
-            "skipped_steps": run.skipped, "skipped_in_a_row": run.in_a_row,
-            **({"ref_model": ref.state_dict()} if ref is not None else {}),
-        }, checkpointing.checkpoint_path(out, run.step))
+    """Write ckpt_step{N}/: every rank its own shards, in parallel, nothing gathered on one rank."""
+    checkpointing.save(out, run.step, dist_state.training_state(model, opt, ref), asdict(run), ctx.rank)
+
+
+def load_checkpoint(path: Path, model, opt, ref, ctx: comm.DistContext) -> None:
+    """Load a checkpoint written on any W and --parallel into this run's (possibly sharded) model."""
+    state = dist_state.training_state(model, opt, ref)  # this run's layout: the placeholders to fill
+    checkpointing.load(path, state, ctx.rank)
+    dist_state.apply_training_state(model, opt, ref, state)
 
 
 def summarize(out: Path, plot: bool) -> None:
@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             train(cfg, ctx, ckpt_path)
             succeeded = True
-        except (ValueError, TrainingError, torch.OutOfMemoryError, MemoryError) as err:
-            # bad checkpoint, bad reward, non-finite logits, NaN after NaN, out of memory: one line
+        except (ValueError, TrainingError, checkpointing.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
+            # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
             step = None if isinstance(err, TrainingError) else failures.failed_step(err, train.__code__)  # it says
             failures.report_error(failures.explain(err, ctx.device, step), ctx.rank)
             return 1

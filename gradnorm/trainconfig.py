@@ -61,7 +61,8 @@ class TrainConfig:
     """Who samples the rollout batch. sharded: each rank samples its share of the prompt groups and
     one all_gather gives every rank the whole batch (generation shrinks with W). replicated: every
     rank samples the whole batch itself (W-fold generation, no collective). Both give the same
-    batch for any W: sequence i of step k draws its noise from (seed, k, i) alone."""
+    batch for any W: sequence i of step k draws its noise from (seed, k, i) alone. Changeable on
+    --resume."""
 
     # ---- GRPO objective
     beta: float = 0.0
@@ -124,7 +125,8 @@ class TrainConfig:
     parallel: ParallelKind = "ddp"
     """ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
     state per transformer block (FSDP2), for models that do not fit DDP. Both average gradients
-    over ranks, which the loss weights undo in the same one place."""
+    over ranks, which the loss weights undo in the same one place. Changeable on --resume
+    (checkpoints are resharded to the resuming layout)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 on CUDA, fp32 on CPU. bf16 is autocast: matmuls in bfloat16; weights, gradients,
     log-softmax and loss weights stay fp32 and token counts int64, so the normalization is exact."""
@@ -142,13 +144,18 @@ class TrainConfig:
     """Checkpoint every this many optimizer steps (and always at the end); 0: only at the end.
     Changeable on --resume."""
     resume: bool = False
-    """Continue from the latest checkpoint in output-dir (its metrics.jsonl is cut back to it). The
-    flags that define the run must equal those in its config.json; only the ones documented as
-    changeable on --resume may differ, and each change is recorded in config.json's history."""
+    """Continue from the latest complete checkpoint in output-dir (its metrics.jsonl is cut back to
+    it), on any number of ranks and under either --parallel. The flags that define the run must
+    equal those in its config.json; only the ones documented as changeable on --resume may differ,
+    and each change is recorded in config.json's history."""
     overwrite: bool = False
     """Start a fresh run in an output-dir that holds another run. Its files are moved to
     output-dir/previous_run/ and deleted once this run's first checkpoint exists (moved back if
     this run stops before that); without --overwrite or --resume such a directory is refused."""
+    export_hf: str = "auto"
+    """Where a Hugging Face --model is saved at the end with save_pretrained (safetensors and its
+    tokenizer, for AutoModelForCausalLM.from_pretrained): auto is output-dir/final, none skips it.
+    Changeable on --resume."""
     plot: bool = True
     """Draw learning_curve.png from metrics.jsonl at the end (needs matplotlib). Changeable on --resume."""
     log_every: int = 10
@@ -179,6 +186,13 @@ class TrainConfig:
     def builtin(self) -> bool:
         """Derived: whether the model is the built-in TinyGPT on the built-in task."""
         return self.model == "tiny"
+
+    @property
+    def export_dir(self) -> Path | None:
+        """Derived: the directory of --export-hf, or None (the built-in model, or none)."""
+        if self.builtin or self.export_hf == "none":
+            return None
+        return Path(self.output_dir) / "final" if self.export_hf == "auto" else Path(self.export_hf)
 
     def autocast_dtype(self, device_type: str) -> torch.dtype | None:
         """Derived: bfloat16 when bf16 autocast is on for ``device_type``, else None (fp32)."""
@@ -222,6 +236,8 @@ class TrainConfig:
             raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one of them")
+        if self.builtin and self.export_hf not in ("auto", "none"):
+            raise ValueError("--export-hf needs a Hugging Face --model; the built-in tiny model is not one")
         check_divisible(self.sequences_per_step, world_size, self.grad_accum_steps)
         k = self.updates_per_rollout
         if self.steps % k or self.save_every % k:
@@ -290,7 +306,7 @@ CONSTANT_DENOMINATOR = Range(1.0, 1e15)
 
 CHANGEABLE_ON_RESUME = ("steps", "save_every", "log_every", "plot", "timeout_s", "cpu_threads", "backend", "device",
                         "max_skipped_steps", "gradient_checkpointing", "output_dir", "grad_accum_steps", "shard",
-                        "resume", "overwrite")
+                        "resume", "overwrite", "parallel", "rollouts", "export_hf")
 """Flags a --resume may change (their docstrings say "Changeable on --resume"); every other flag
 defines the run. A change is applied for real and recorded in config.json's history."""
 

@@ -59,16 +59,3 @@ def test_fsdp_adds_one_collective_per_minibatch_and_survives_an_empty_one(fsdp_r
         if case.lengths == EMPTY:
             grad = fsdp_results[0]["grads"][k]
             assert torch.isfinite(grad).all() and (grad == 0).all(), case
-
-
-def test_a_checkpoint_resumes_only_under_the_parallel_it_was_written_with():
-    # DDP saves optimizer state by parameter index, FSDP2 (torch's full state dict) by name.
-    from gradnorm.dist.wrap import load_optimizer_state
-    from gradnorm.toy import make_policy
-
-    policy = make_policy(0)
-    opt = torch.optim.AdamW(policy.parameters())
-    load_optimizer_state(policy, opt, opt.state_dict())  # plain / DDP format: fine
-    by_name = {"state": {}, "param_groups": [{**opt.state_dict()["param_groups"][0], "params": ["embed.weight"]}]}
-    with pytest.raises(ValueError, match=r"written with --parallel fsdp; resume it with --parallel fsdp, not ddp$"):
-        load_optimizer_state(policy, opt, by_name)

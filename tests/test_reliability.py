@@ -6,11 +6,13 @@ holds the tests that the other test files did not already have.
 - Bad rewards, NaN losses and empty responses are injected in-process: ``main()`` of
   gradnorm/train.py runs in this process with one function monkeypatched (the task's reward, the
   per-token loss, the sampler). No fault-injection flag exists in the trainer itself.
-- Bad checkpoints (missing, truncated, foreign, malicious) go through ``--resume``.
+- Bad checkpoints (missing, truncated, foreign, malicious) go through ``--resume``; the sharded
+  format's own faults (a save killed mid-write, a full disk) are in tests/test_checkpoints.py.
 - The slow tests launch ``torchrun --nproc_per_node=2``: SIGKILL of one rank mid-run, then
   ``--resume``; and a checkpoint moved between world sizes 2 -> 1 and 1 -> 2.
 """
 
+import io
 import json
 import os
 import pickle
@@ -26,6 +28,7 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm import checkpointing
+from gradnorm.dist import state as dist_state
 from gradnorm import rollout as rollout_module
 from gradnorm import train as train_module
 from gradnorm.rollout import check_rewards
@@ -58,8 +61,7 @@ def one_error_line(stderr: str, says: str) -> None:
 
 
 def assert_finite_weights(path: Path) -> None:
-    state = checkpointing.load(path, required=checkpointing.TRAINER_KEYS)
-    for name, tensor in state["model"].items():
+    for name, tensor in checkpointing.read_tensors(path, "model").items():
         assert torch.isfinite(tensor).all(), name
 
 
@@ -121,10 +123,10 @@ def test_a_nan_loss_skips_the_update_warns_and_is_counted(tmp_path, monkeypatch,
     assert [m["skipped_steps"] for m in rows] == [0, 1, 1, 1]
     assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None  # logged as null, never NaN
     assert all(isinstance(m["grad_norm"], float) for m in rows if m["step"] != 2)
-    step1, step2 = (checkpointing.load(out / f"ckpt_step{s}.pt") for s in (1, 2))
-    for name, tensor in step1["model"].items():  # the skipped step left the weights as they were
-        assert torch.equal(tensor, step2["model"][name]), name
-    assert_finite_weights(out / "ckpt_step4.pt")
+    step1, step2 = (checkpointing.read_tensors(out / f"ckpt_step{s}", "model") for s in (1, 2))
+    for name, tensor in step1.items():  # the skipped step left the weights as they were
+        assert torch.equal(tensor, step2[name]), name
+    assert_finite_weights(out / "ckpt_step4")
 
 
 def test_too_many_nan_steps_in_a_row_stop_the_run_with_one_line(tmp_path, monkeypatch, capsys):
@@ -133,7 +135,7 @@ def test_too_many_nan_steps_in_a_row_stop_the_run_with_one_line(tmp_path, monkey
     assert run_main(out, "--steps", "6", "--save-every", "1", "--max-skipped-steps", "2") == 1
     one_error_line(capsys.readouterr().err, "2 steps in a row had a non-finite loss or gradient")
     assert [m["skipped_steps"] for m in metrics(out)] == [1, 2]
-    assert_finite_weights(out / "ckpt_step1.pt")
+    assert_finite_weights(out / "ckpt_step1")
 
 
 # ------------------------------------------------------------------ empty responses
@@ -154,7 +156,7 @@ def test_responses_that_are_only_eos_train_with_finite_metrics(tmp_path, monkeyp
         assert m["response_len_max"] == 1 and m["tokens"] == 4 and m["skipped_steps"] == 0
         assert all(v is not None for v in m.values()), m
         assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
-    assert_finite_weights(out / "ckpt_step2.pt")
+    assert_finite_weights(out / "ckpt_step2")
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -172,31 +174,52 @@ class Evil:
 def good_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("good")
     assert run_main(out, "--steps", "2") == 0
-    return out / "ckpt_step2.pt"
+    return out / "ckpt_step2"
+
+
+def poison_a_tensor(path: Path, payload) -> None:
+    """Point one stored tensor of the checkpoint at ``torch.save(payload)`` appended to its data file.
+
+    The test trusts its own .metadata, so it may use plain pickle here; the trainer never does.
+    """
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn.startswith("model."))
+    info = metadata.storage_data[index]
+    data, buffer = path / info.relative_path, io.BytesIO()
+    torch.save(payload, buffer)
+    info.offset, info.length = data.stat().st_size, len(buffer.getvalue())
+    with open(data, "ab") as f:
+        f.write(buffer.getvalue())
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
 def bad_checkpoint(kind, directory: Path, good: Path, target: Path) -> None:
-    path = directory / "ckpt_step9.pt"
+    path = directory / "ckpt_step9"
+    if kind != "missing":
+        shutil.copytree(good, path)
     if kind == "truncated":
-        data = good.read_bytes()
-        path.write_bytes(data[: len(data) // 2])
-    elif kind == "foreign":
-        torch.save({"weights": torch.zeros(3)}, path)
+        data = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif kind == "foreign":  # a valid DCP checkpoint of something else, with the trainer's JSON beside it
+        for part in path.glob("*.distcp"):
+            part.unlink()
+        (path / ".metadata").unlink()
+        dist_state.write({"weights": torch.zeros(3)}, path)
     elif kind == "not-torch":
-        path.write_text("this is not a checkpoint\n")
+        (path / ".metadata").write_text("this is not a checkpoint\n")
     elif kind == "malicious-pickle":
-        path.write_bytes(pickle.dumps(Evil(target)))
+        (path / ".metadata").write_bytes(pickle.dumps(Evil(target)))
     elif kind == "malicious-torch":
-        torch.save({"model": Evil(target)}, path)
+        poison_a_tensor(path, {"weights": Evil(target)})
 
 
 @pytest.mark.parametrize("kind, says", [
-    ("missing", "no checkpoint ckpt_step*.pt in"),
+    ("missing", "no complete checkpoint ckpt_step*/ in"),
     ("truncated", "is truncated or corrupt"),
     ("not-torch", "is truncated or corrupt"),
-    ("foreign", "is not a gradnorm trainer checkpoint (missing model, optimizer"),
-    ("malicious-pickle", "refused by the safe unpickler"),
-    ("malicious-torch", "refused by the safe unpickler"),
+    ("foreign", "is not a gradnorm trainer checkpoint (no RNG states)"),
+    ("malicious-pickle", "refused by the safe unpickler of its .metadata: it references posix.system"),
+    ("malicious-torch", "refused by the safe unpickler (weights_only=True): it references posix.system"),
 ])
 def test_a_bad_checkpoint_is_one_line_and_never_executed(kind, says, tmp_path, good_checkpoint, capsys):
     out, target = tmp_path / "run", tmp_path / "PWNED"
@@ -210,7 +233,7 @@ def test_a_bad_checkpoint_is_one_line_and_never_executed(kind, says, tmp_path, g
 def test_a_checkpoint_of_another_model_names_the_flags(tmp_path, good_checkpoint, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    shutil.copy(good_checkpoint, out / "ckpt_step2.pt")
+    shutil.copytree(good_checkpoint, out / "ckpt_step2")
     assert main([*TINY, "--n-embd", "32", "--output-dir", str(out), "--steps", "4", "--resume"]) != 0
     one_error_line(capsys.readouterr().err, "holds a different model")
 
@@ -229,7 +252,7 @@ def test_the_cli_prints_one_line_for_a_malicious_checkpoint(tmp_path, good_check
 
 
 def test_every_torch_load_in_the_package_uses_weights_only():
-    for path in (ROOT / "gradnorm").glob("*.py"):
+    for path in (ROOT / "gradnorm").rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if "torch.load(" in line:
                 assert "weights_only=True" in line, f"{path.name}:{number}: {line.strip()}"
@@ -278,7 +301,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_ru
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
-        while not (crashed / "ckpt_step40.pt").exists():
+        while not (crashed / "ckpt_step40").exists():
             assert job.poll() is None and time.monotonic() < deadline, "the run ended before its 2nd checkpoint"
             time.sleep(0.05)
         workers = [p for p in psutil.Process(job.pid).children(recursive=True)
@@ -297,7 +320,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_ru
     print(f"torchrun exited {job.returncode} {exit_s:.1f} s after the SIGKILL")
     latest = checkpointing.latest_checkpoint(crashed)
     assert latest is not None and not list(crashed.glob(".ckpt_step*.tmp"))  # no torn write left behind
-    assert_finite_weights(latest)  # loads with weights_only=True and has every trainer key
+    assert_finite_weights(latest)  # loads through the safe readers
     assert len(metrics(crashed)) < 120
 
     torchrun(2, crashed, *CRASH_FLAGS, "--resume")
@@ -331,13 +354,13 @@ def test_a_token_run_resumes_on_another_world_size(tmp_path):
     # 2 -> 1: the 2-rank run's step-2 checkpoint, continued by one plain process.
     two_to_one = tmp_path / "two_to_one"
     shutil.copytree(two, two_to_one)
-    (two_to_one / "ckpt_step4.pt").unlink()
+    shutil.rmtree(two_to_one / "ckpt_step4")
     single(two_to_one, *flags, "--resume")
     assert_same_steps(two_to_one, two)
     # 1 -> 2: the single process's step-2 checkpoint, continued on 2 ranks.
     one_to_two = tmp_path / "one_to_two"
     shutil.copytree(one, one_to_two)
-    (one_to_two / "ckpt_step4.pt").unlink()
+    shutil.rmtree(one_to_two / "ckpt_step4")
     torchrun(2, one_to_two, *flags, "--resume")
     assert_same_steps(one_to_two, one)
     assert [len(m["tokens_per_rank"]) for m in metrics(one_to_two)] == [1, 1, 2, 2]

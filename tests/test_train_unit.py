@@ -5,6 +5,7 @@ with gradnorm/ first on sys.path), not ``python -m``.
 """
 
 import dataclasses
+import errno
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import torch
 
 from gradnorm import checkpointing
 from gradnorm.curves import plot_learning_curve, write_learning_curve
+from gradnorm.dist import state as dist_state
 from gradnorm.runs import moving_average
 from gradnorm.rollout import generate_rollout, response_mask, seeded_generator
 from gradnorm.sharding import make_plan
@@ -137,41 +139,47 @@ def test_seeded_generators_do_not_collide_on_shifted_keys():
 # ------------------------------------------------------------------ checkpoints
 
 
-def test_checkpoint_round_trip_is_atomic_and_loads_with_weights_only(tmp_path):
+def test_checkpoint_round_trip_restores_weights_optimizer_rng_and_counters(tmp_path):
     _, model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
     opt.step()
+    run = {"step": 7, "warmup": {"steps": 3, "reward_before": 0.1}}
     torch.manual_seed(123)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7,
-             "rng": checkpointing.rng_state(), "warmup": {"steps": 3, "reward_before": 0.1}}
-    expected_draw = torch.rand(3)
-    path = checkpointing.save_atomic(state, checkpointing.checkpoint_path(tmp_path, 7))
-    checkpointing.save_atomic({**state, "step": 12}, checkpointing.checkpoint_path(tmp_path, 12))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_step12.pt", "ckpt_step7.pt"]  # no temp files
-    assert checkpointing.latest_checkpoint(tmp_path).name == "ckpt_step12.pt"  # 12 > 7 numerically
+    path = checkpointing.save(tmp_path, 7, dist_state.training_state(model, opt), run, rank=0)
+    expected_draw = torch.rand(3)  # the first draw after the RNG state the checkpoint holds
+    checkpointing.save(tmp_path, 12, dist_state.training_state(model, opt), {**run, "step": 12}, rank=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_step12", "ckpt_step7"]  # no temporary directory
+    assert checkpointing.latest_checkpoint(tmp_path).name == "ckpt_step12"  # 12 > 7 numerically
+    assert checkpointing.read_run_state(path, required=("step", "warmup")) == run  # plain JSON
 
-    loaded = torch.load(path, weights_only=True)  # the safe unpickler accepts everything in it
-    assert loaded["step"] == 7 and loaded["warmup"]["reward_before"] == 0.1
     _, fresh = small_model(seed=1)
-    fresh.load_state_dict(loaded["model"])
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    state = dist_state.training_state(fresh, fresh_opt)
+    torch.manual_seed(999)
+    checkpointing.load(path, state, rank=0)
+    assert torch.equal(torch.rand(3), expected_draw)
+    dist_state.apply_training_state(fresh, fresh_opt, None, state)
     for name, p in model.state_dict().items():
         assert torch.equal(p, fresh.state_dict()[name]), name
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    fresh_opt.load_state_dict(loaded["optimizer"])
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    torch.manual_seed(999)
-    checkpointing.set_rng_state(loaded["rng"])
-    assert torch.equal(torch.rand(3), expected_draw)
+    assert float(fresh_opt.state_dict()["state"][0]["step"]) == 1
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path):
-    path = checkpointing.checkpoint_path(tmp_path, 1)
-    checkpointing.save_atomic({"step": 1}, path)
-    with pytest.raises(Exception):
-        checkpointing.save_atomic({"step": 2, "bad": lambda: None}, path)  # cannot be pickled
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt_step1.pt"]
-    assert checkpointing.load(path)["step"] == 1
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_directory(tmp_path, monkeypatch):
+    _, model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    checkpointing.save(tmp_path, 1, dist_state.training_state(model, opt), {"step": 1}, rank=0)
+
+    def full_disk(state, directory):
+        (directory / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dist_state, "write", full_disk)
+    with pytest.raises(checkpointing.CheckpointError, match=r"No space left on device.*the previous checkpoint \S+ckpt_step1 is intact"):
+        checkpointing.save(tmp_path, 2, dist_state.training_state(model, opt), {"step": 2}, rank=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt_step1"]
+    assert checkpointing.read_run_state(checkpointing.latest_checkpoint(tmp_path), required=("step",))["step"] == 1
     assert checkpointing.latest_checkpoint(tmp_path / "missing") is None
 
 

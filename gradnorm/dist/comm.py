@@ -104,6 +104,20 @@ def all_gather(tensor: Tensor) -> Tensor:
     return torch.stack(parts)
 
 
+def all_true(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank: one all-reduce of one int (``flag`` itself alone).
+
+    Lets every rank take the same decision after a step only some ranks can fail (rank 0's file
+    writes in a checkpoint), so none is left waiting in the next collective.
+    """
+    if not _active():
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    failed = torch.tensor([0 if flag else 1], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+    return int(failed) == 0
+
+
 def barrier() -> None:
     """Wait for every rank (used to line ranks up before a timed region); no-op alone."""
     if _active():

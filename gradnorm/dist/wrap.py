@@ -18,7 +18,8 @@ Accumulation: DDP skips communication inside ``no_sync()``; FSDP2 has a switch,
 A microbatches really add up before the one reduction of the last backward.
 
 Parameters and gradients of an FSDP2 module are DTensors (sharded over dim 0):
-``full_tensor`` gathers one (a collective: every rank must call it).
+``full_tensor`` gathers one (a collective: every rank must call it). Checkpoint state, named and
+sharded the same way under every wrapper, is ``gradnorm.dist.state``.
 """
 
 from __future__ import annotations
@@ -141,56 +142,3 @@ def gathered_for_sampling(model: nn.Module) -> Iterator[nn.Module]:
         for module in model.modules():
             if is_fsdp(module):
                 module.reshard()
-
-
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The model's full, unsharded state dict for a checkpoint (the inner module's keys).
-
-    Under FSDP2 this is a collective (every rank must call it) and only rank 0 receives the
-    tensors, on the CPU; the other ranks get an empty dict. Plain and DDP models return their
-    ordinary state dict.
-    """
-    inner = unwrap(model)
-    if not is_fsdp(inner):
-        return inner.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(inner, options=_full_options(cpu_offload=True))
-
-
-def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """The optimizer's state for a checkpoint: ``opt.state_dict()``, or under FSDP2 the full,
-    unsharded state keyed by parameter name (a collective; only rank 0 receives it, on the CPU)."""
-    inner = unwrap(model)
-    if not is_fsdp(inner):
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(inner, opt, options=_full_options(cpu_offload=True))
-
-
-def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Load what ``optimizer_state`` saved; under FSDP2 every rank keeps its own shard of it.
-
-    The two formats differ (parameters by index, or by name under FSDP2), so a checkpoint resumes
-    under the --parallel it was written with; the other one is a one-line ValueError.
-    """
-    inner = unwrap(model)
-    groups = state.get("param_groups") or [{}]
-    by_name = any(isinstance(p, str) for p in groups[0].get("params", []))
-    if by_name != is_fsdp(inner):
-        written, now = ("fsdp", "ddp") if by_name else ("ddp", "fsdp")
-        raise ValueError(f"this checkpoint's optimizer state was written with --parallel {written}; "
-                         f"resume it with --parallel {written}, not {now}")
-    if not is_fsdp(inner):
-        opt.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    set_optimizer_state_dict(inner, opt, optim_state_dict=state, options=_full_options())
-
-
-def _full_options(cpu_offload: bool = False):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
