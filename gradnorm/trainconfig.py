@@ -18,6 +18,7 @@ import math
 import sys
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
