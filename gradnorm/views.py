@@ -176,7 +176,8 @@ class GradientView:
             ax.set_xlabel(IMBALANCE_LABEL[unit])
             ax.set_ylabel(ylabel)
             ax.set_title(title, loc="left", fontsize="medium")
-        self.mode_text = self.ax_e.text(0.03, 0.96, "", transform=self.ax_e.transAxes, va="top", fontsize="small")
+        self.mode_text = self.ax_e.text(0.97, 0.55, "", transform=self.ax_e.transAxes, ha="right", va="center",
+                                        fontsize="medium")  # between the bug's level (top) and rounding's (bottom)
         self.dynamic: list[Artist] = [*self.bars, self.setting, *_spines(self.ax_t), self.ax_t.yaxis]
         for ax, line, dot in zip((self.ax_e, self.ax_c), self.lines, self.dots):
             self.dynamic += [line, dot, *_spines(ax)]
