@@ -314,8 +314,8 @@ def render_markdown(report: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for row in report["widgets"]:
         lines.append(f"| {row['view']} | {row['median_ms']:.1f} | {row['p10_ms']:.1f}-{row['p90_ms']:.1f} |"
-                     f" {row['first_visit_ms']:.1f} | {row['full_redraw_ms']:.1f} | {row['speedup']:.1f}x | {row['axis_draws']} |"
-                     f" {row['full_redraws']} | {row['n']} |")
+                     f" {row['first_visit_ms']:.1f} | {row['full_redraw_ms']:.1f} | {row['speedup']:.1f}x |"
+                     f" {row['axis_draws']} | {row['full_redraws']} | {row['n']} |")
     if "notebooks" in report:
         lines += ["", "Each notebook under `pytest --nbmake` with CI=1 (includes starting a kernel):", "",
                   "| notebook | seconds | passed |", "|---|---|---|"]
