@@ -81,6 +81,8 @@ class BlitCanvas:
 
     def _paste_axis(self, axis: Axis, renderer) -> None:
         """Paste the axis's pixels for its current state, drawing them once if this state is new."""
+        if not axis.get_visible():
+            return
         key = (id(axis), _axis_key(axis))
         region = self._axis_cache.get(key) if self.blit else None
         if region is not None:
