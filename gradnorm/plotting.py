@@ -153,7 +153,7 @@ def plot_rank_token_share(ax: Axes, runs: Sequence[TrainingRun], world_size: int
                                  label=f"rank 0's share of the tokens, measured ({run.shard})")[0]
     # Not measured: the trainer logs tokens per rank, not each rank's gradient. It is local's formula,
     # 1/(W*A) per microbatch with tokens, exact when every microbatch has one (tests/test_equivalence.py).
-    out["local"] = ax.axhline(1 / world_size, color=MODE_COLORS["local"], lw=1.5, ls="--",
+    out["local"] = ax.axhline(1 / world_size, color=MODE_COLORS["local"], lw=1.5, ls=":", zorder=1,
                               label="1/W: rank 0's share of the update under local (formula)")
     ax.set_ylim(0, 1)
     ax.set_xlabel("optimizer step")

@@ -208,3 +208,12 @@ def test_training_curves_draw_the_trailing_average(tmp_path):
     share = plotting.plot_rank_token_share(axes[3], [run], world_size=2, window=1)
     assert_allclose(share["local, length"].get_ydata(), 0.25)
     assert_allclose(share["local"].get_ydata(), 0.5)
+
+
+def test_axis_limits_sit_on_a_ladder_of_round_numbers():
+    from gradnorm.views import nice_ceiling
+
+    assert [nice_ceiling(x) for x in (0.0, 1.0, 1.1, 2.0, 3.58, 9.3, 20.1)] == [1.0, 1.0, 1.25, 2.0, 4.0, 10.0, 25.0]
+    assert nice_ceiling(1.3e-16) == pytest.approx(1.5e-16)
+    ladder = {nice_ceiling(x) for x in np.linspace(1, 100, 1000)}
+    assert len(ladder) == 21  # two decades of 1 .. 8 steps, and 100: few states for the axis cache
