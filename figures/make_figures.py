@@ -4,8 +4,9 @@
     python figures/make_figures.py --out DIR  # somewhere else
 
 Each ``figure_*`` function builds one figure from the library's data (``gradnorm.imbalance``,
-``sweeps``, ``lengthbias``) drawn by ``gradnorm.plotting`` and ``lengthplots`` (the widget views
-through the very explorers the notebooks show, at their default settings) and returns
+``sweeps``, ``lengthbias``) drawn by ``gradnorm.views``, ``plotting`` and ``lengthplots`` (the
+widget views through the very explorers the notebooks show, at their default settings), in the
+one palette of ``gradnorm.palette``, and returns
 ``(Figure, data)``: ``tests/test_figures.py`` checks the data, never the pixels. Everything is
 computed from fixed inputs and seeds, and the PNGs carry no timestamp or version metadata.
 """
@@ -23,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from gradnorm import lengthplots, plotting, widgets  # noqa: E402
+from gradnorm import lengthplots, plotting, views, widgets  # noqa: E402
 from gradnorm.imbalance import share_sweep, worked_example_minibatch  # noqa: E402
 from gradnorm.lengthbias import batch_dependence, length_weights, staircase_lengths  # noqa: E402
 from gradnorm.sweeps import gradient_sweep  # noqa: E402
@@ -31,14 +32,14 @@ from gradnorm.sweeps import gradient_sweep  # noqa: E402
 HERE = Path(__file__).resolve().parent
 DPI = 100
 SEED = 0
-SHARE_IMBALANCES = list(range(1, widgets.FULL_LENGTH + 1))
+SHARE_IMBALANCES = list(widgets.IMBALANCES)  # exact ratios: the divisors of the explorer's 24 tokens
 GRADIENT_IMBALANCES = [1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12]
 
 
 def figure_worked_example() -> tuple[Figure, dict]:
     """01: the seed example (2 ranks x 2 microbatches, tokens 3, 14 | 12, 12): weights and shares."""
     fig = Figure(figsize=(13, 3.8))
-    artists = plotting.imbalance_view(fig, worked_example_minibatch())
+    artists = views.imbalance_figure(fig, worked_example_minibatch())
     return fig, {"shares": artists["shares"], "layout": artists["layout"]}
 
 
@@ -63,7 +64,7 @@ def figure_gradient_error() -> tuple[Figure, dict]:
     fig = Figure(figsize=(15, 4))
     ax_error, ax_cosine, ax_shard = fig.subplots(1, 3)
     sweeps = {shard: gradient_sweep(GRADIENT_IMBALANCES, shard=shard, seed=SEED)
-              for shard in ("length", "contiguous", "interleave", "balanced")}
+              for shard in ("length", "contiguous", "interleave", "balanced")}  # test_figures checks this order
     plotting.plot_gradient_sweep(ax_error, ax_cosine, sweeps["length"])
     plotting.plot_sharding_comparison(ax_shard, sweeps)
     fig.tight_layout()

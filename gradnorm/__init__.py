@@ -32,6 +32,8 @@ Teaching (notebooks and figures)
 - ``runs``          reading training runs (metrics.jsonl, trailing averages)
 - ``plotting``, ``lengthplots``, ``widgets``, ``curves``, ``worked_example``: drawing on a
                     given Axes, sliders wired to it, the learning curve, the worked example
+- ``palette``, ``views``, ``canvas``: the one palette; the explorers' views, built once and moved
+                    in place; the canvas that redraws only what changed
 - ``dist.launch``, ``dist.checks``: the notebooks' torchrun runs and real gloo checks
 
 Audit (is another trainer's loss invariant?)

@@ -1,8 +1,8 @@
 """Drawing an audit (``gradnorm.audit``) on matplotlib Axes that the caller owns.
 
 Each function takes an ``Axes``, draws one ``Result`` (the weights of one configuration) and
-returns its artists, so tests can read the data back instead of pixels. Kept apart from
-``gradnorm.plotting``, which draws ``gradnorm.analysis``'s views; nothing here touches pyplot.
+returns its artists, so tests can read the data back instead of pixels. Colours come from
+``gradnorm.palette``, the notebooks' one palette; nothing here touches pyplot.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from matplotlib.container import BarContainer
 from matplotlib.image import AxesImage
 
 from gradnorm.audit import Minibatch, Result
+from gradnorm.palette import MODE_COLORS, NEUTRAL_COLOR, PADDING_COLOR, TOKENS_COLOR, WEIGHT_CMAP
 
-TOKENS_COLOR = "#9a9a9a"
-UPDATE_COLOR = "#d62728"
-PADDING_COLOR = "#bdbdbd"  # dark enough that white (weight 1/N) tokens stand out
 
 
 def plan_rows(result: Result) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -47,7 +45,7 @@ def plot_weight_map(ax: Axes, batch: Minibatch, result: Result, span: float = 16
     """
     values = weight_map(batch, result)
     _, rank, microbatch = plan_rows(result)
-    image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="RdBu_r",
+    image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap=WEIGHT_CMAP,
                       norm=LogNorm(vmin=1 / span, vmax=span))
     ax.set_facecolor(PADDING_COLOR)
     for j in range(1, len(rank)):
@@ -64,14 +62,20 @@ def plot_weight_map(ax: Axes, batch: Minibatch, result: Result, span: float = 16
     return image
 
 
-def plot_rank_shares(ax: Axes, result: Result, title: str | None = None) -> dict[str, BarContainer]:
-    """Each rank's share of the update beside its share of the response tokens."""
+def plot_rank_shares(ax: Axes, result: Result, title: str | None = None, mode: str | None = None
+                     ) -> dict[str, BarContainer]:
+    """Each rank's share of the update beside its share of the response tokens.
+
+    ``mode``: the gradnorm mode the audited loss equals (``Report.equals``), which colours the
+    update bars as every notebook colours that mode; None (no mode) draws them dark grey.
+    """
     ranks = np.arange(result.world_size)
     bars = {
         "tokens": ax.bar(ranks - 0.2, result.token_share.numpy(), width=0.4, color=TOKENS_COLOR,
                          label="share of tokens"),
-        "update": ax.bar(ranks + 0.2, result.update_share.numpy(), width=0.4, color=UPDATE_COLOR,
-                         label="share of the update"),
+        "update": ax.bar(ranks + 0.2, result.update_share.numpy(), width=0.4,
+                         color=MODE_COLORS.get(mode, NEUTRAL_COLOR) if mode else NEUTRAL_COLOR,
+                         label=f"share of the update ({mode})" if mode else "share of the update"),
     }
     ax.set_xticks(ranks, [str(r) for r in ranks])
     ax.set_xlabel("rank")

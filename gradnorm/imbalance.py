@@ -105,10 +105,23 @@ def token_layout(batch: Minibatch, mode: str, max_new_tokens: int | None = None)
     Within a sequence every mode gives all tokens the same weight, so one number per sequence
     says it all; a bar of width |o_i| and height w has the sequence's total weight as its area.
     """
+    return _layout(batch, _weights(batch, mode, max_new_tokens))
+
+
+def layout_and_shares(batch: Minibatch, mode: str) -> tuple[Layout, RankShares]:
+    """``token_layout`` and ``batch_rank_shares`` from one computation of the weights (the explorer's)."""
+    w = _weights(batch, mode)
+    return _layout(batch, w), _shares(batch.mask, w, batch.plan)
+
+
+def _weights(batch: Minibatch, mode: str, max_new_tokens: int | None = None) -> Tensor:
+    """(S, T) the library's effective weights of ``batch`` under a mode name."""
     max_new_tokens = int(batch.lengths.max()) if max_new_tokens is None else max_new_tokens
     denominator = resolve(mode, len(batch.lengths), max_new_tokens)
-    mask = batch.mask
-    w = effective_weights(mask, batch.group_ids, batch.num_groups, denominator, batch.plan)  # (S, T)
+    return effective_weights(batch.mask, batch.group_ids, batch.num_groups, denominator, batch.plan)
+
+
+def _layout(batch: Minibatch, w: Tensor) -> Layout:
     order, ranks, mbs = [], [], []
     for r, rank in enumerate(batch.plan):
         for m, mb in enumerate(rank):
@@ -140,7 +153,10 @@ def rank_shares(mask: Tensor, group_ids: Tensor, num_groups: int, denominator: D
     Invariant token-mean modes give every rank exactly its share of the tokens; ``local`` gives
     every rank with tokens in all its microbatches 1/W, whatever it holds.
     """
-    w = effective_weights(mask, group_ids, num_groups, denominator, plan)  # (S, T)
+    return _shares(mask, effective_weights(mask, group_ids, num_groups, denominator, plan), plan)
+
+
+def _shares(mask: Tensor, w: Tensor, plan: Plan) -> RankShares:
     rank_idx = [torch.cat(rank) for rank in plan]
     weight = np.array([float(w[idx].sum()) for idx in rank_idx])
     tokens = np.array([float(mask[idx].sum()) for idx in rank_idx])

@@ -1,8 +1,9 @@
 """Drawing the length-bias views of ``gradnorm.lengthbias`` (notebook 04) on Axes the caller owns.
 
-Like ``gradnorm.plotting``, whose colours and labels it shares: every function takes an ``Axes``
-(or a ``Figure`` for the multi-panel views), draws, and returns the artists it made, so tests can
-read bar heights and line data instead of pixels.
+Like ``gradnorm.plotting``: every function takes an ``Axes`` (or a ``Figure`` for the
+multi-panel views), draws, and returns the artists it made, so tests can read bar heights and
+line data instead of pixels. Colours and markers come from ``gradnorm.palette``; the explorer's
+picture (correct against wrong responses) is ``gradnorm.views.CorrectVsWrongView``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from gradnorm.lengthbias import BatchDependence, CorrectVsWrong, LengthWeights
-from gradnorm.plotting import MODE_COLORS, mode_label
+from gradnorm.lengthbias import BatchDependence, LengthWeights
+from gradnorm.palette import MODE_COLORS, MODE_MARKERS, mode_label
 
 
 def plot_length_weights(
@@ -25,7 +26,7 @@ def plot_length_weights(
     n_tokens = view.lengths.sum()
     out = {}
     for mode in view.token_weight:
-        style = {"color": MODE_COLORS[mode], "marker": "o", "ms": 4, "label": mode_label(mode)}
+        style = {"color": MODE_COLORS[mode], "marker": MODE_MARKERS[mode], "ms": 4, "label": mode_label(mode)}
         if mode == "token":  # wide and pale, so that the constant's line (same shares) shows on top
             style.update(lw=5, alpha=0.45)
         if mode == "group":  # not a function of length alone: it depends on the response's prompt group
@@ -69,49 +70,12 @@ def length_weights_view(fig: Figure, view: LengthWeights, tight: bool = True) ->
     return {"lines": lines, "groups": groups}
 
 
-def plot_correct_vs_wrong(ax_push: Axes, ax_share: Axes, view: CorrectVsWrong) -> dict[str, BarContainer]:
-    """Left: the push on one correct token (up) and one wrong token (down), in units of 1/N.
-    Right: how the update's total |push| splits between correct and wrong responses.
-
-    Returns {"correct": bars, "wrong": bars, "share_correct": bars, "share_wrong": bars}, one bar
-    per mode in ``view``'s order.
-    """
-    modes = list(view.push_per_token)
-    x = np.arange(len(modes))
-    colors = [MODE_COLORS[m] for m in modes]
-    correct = ax_push.bar(x, [view.push_per_token[m][0] for m in modes], 0.6, color=colors)
-    wrong = ax_push.bar(x, [view.push_per_token[m][1] for m in modes], 0.6, color=colors, alpha=0.45, hatch="//")
-    ax_push.axhline(0, color="black", lw=0.8)
-    ax_push.set_xticks(x, modes)
-    ax_push.set_ylabel("w x A x N")
-    ax_push.set_title(f"push on one token: correct ({view.correct_len} tok) up,\n"
-                      f"wrong ({view.wrong_len} tok) down", fontsize="medium")
-    share_c = ax_share.bar(x, [view.update_share[m][0] for m in modes], 0.6, color=colors, label="correct responses")
-    share_w = ax_share.bar(x, [view.update_share[m][1] for m in modes], 0.6, bottom=share_c.datavalues,
-                           color=colors, alpha=0.45, hatch="//", label="wrong responses")
-    ax_share.set_xticks(x, modes)
-    ax_share.set_ylim(0, 1)
-    ax_share.set_ylabel("share of sum |push|")
-    ax_share.set_title(f"{view.num_correct} correct / {view.group_size - view.num_correct} wrong: "
-                       "who gets the update", fontsize="medium")
-    ax_share.legend(fontsize="small", loc="lower right")
-    return {"correct": correct, "wrong": wrong, "share_correct": share_c, "share_wrong": share_w}
-
-
-def correct_vs_wrong_view(fig: Figure, view: CorrectVsWrong, tight: bool = True) -> dict:
-    """Notebook 04's explorer on ``fig``."""
-    ax_push, ax_share = fig.subplots(1, 2)
-    out = plot_correct_vs_wrong(ax_push, ax_share, view)
-    if tight:  # a full text-layout pass; widgets compute it once and reuse it (widgets.Explorer)
-        fig.tight_layout()
-    return out
-
-
 def plot_batch_dependence(ax: Axes, view: BatchDependence) -> dict[str, Line2D]:
     """The per-token weight of one fixed response against the length of every other response."""
     out = {}
     for mode, w in view.token_weight.items():
-        out[mode] = ax.plot(view.other_length, w, color=MODE_COLORS[mode], marker="o", ms=3, label=mode_label(mode))[0]
+        out[mode] = ax.plot(view.other_length, w, color=MODE_COLORS[mode], marker=MODE_MARKERS[mode], ms=4,
+                            label=mode_label(mode))[0]
     ax.set_yscale("log")
     ax.set_xlabel("length of every other response in the minibatch")
     ax.set_ylabel("weight of one token of the fixed response")

@@ -29,11 +29,13 @@ GROUP_SIZE = 4  # ... and its default group size
 
 
 def ragged_lengths(imbalance: float, num_sequences: int = 32, max_len: int = MAX_LEN, seed: int = 0) -> tuple[int, ...]:
-    """Response lengths spread log-uniformly from max_len / imbalance to max_len.
+    """Response lengths spread log-uniformly between max_len / imbalance and max_len (rounded).
 
     The same seeded draw u_i in [0, 1) serves every imbalance: |o_i| = round(max_len * imbalance^-u_i),
     at least 1. imbalance = 1 makes every response max_len long; larger values make them ragged
-    (longest / shortest about ``imbalance``) while keeping the same order.
+    while keeping the same order. ``imbalance`` is the parameter of the draw, not the ratio of the
+    longest to the shortest response: a finite draw need not reach either end (notebook 02 prints
+    the lengths each value gives).
     """
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(num_sequences, generator=g, dtype=torch.float64)

@@ -1,10 +1,12 @@
-"""Sliders wired to ``gradnorm.plotting``: the notebooks' explorers, drivable without a browser.
+"""Sliders wired to the in-place views of ``gradnorm.views``: the notebooks' explorers, drivable without a browser.
 
-An ``Explorer`` holds the controls, a text readout and the figure rendered as a PNG image; every
-change of a control recomputes the view from ``gradnorm.imbalance``, ``gradnorm.sweeps`` or
-``gradnorm.lengthbias`` and redraws. Tests set a
-control's ``value`` (or call ``update(**values)``) and read ``artists`` (bars, lines) and
-``readout.value``; a browser sees the image and the readout change.
+An ``Explorer`` holds the controls, a text readout and the view's figure rendered as a PNG
+image. Its figure is built once; a change of a control recomputes the data (``gradnorm.imbalance``,
+``gradnorm.sweeps``, ``gradnorm.lengthbias``), moves the view's artists in place and re-renders
+only what changed (``gradnorm.canvas.BlitCanvas``), so a callback costs milliseconds, not a new
+figure. Tests set a control's ``value`` (or call ``update(**values)``) and read ``artists``
+(bars, lines) and ``readout.value``; a browser sees the image and the readout change; a reader
+without a kernel sees the stills a notebook prints with ``image.value`` and ``text``.
 
     from gradnorm.widgets import token_imbalance_explorer
     token_imbalance_explorer()          # the last expression of a notebook cell displays it
@@ -12,63 +14,59 @@ control's ``value`` (or call ``update(**values)``) and read ``artists`` (bars, l
 
 from __future__ import annotations
 
-import io
+import html
+import re
 from collections.abc import Callable, Sequence
 
 import ipywidgets as widgets
 import numpy as np
 from matplotlib.figure import Figure
 
-from gradnorm import lengthplots, plotting
-from gradnorm.imbalance import Minibatch, imbalanced_minibatch, weight_ratio
+from gradnorm import views
+from gradnorm.canvas import BlitCanvas
+from gradnorm.imbalance import Minibatch, imbalanced_minibatch
 from gradnorm.lengthbias import correct_vs_wrong
-from gradnorm.modes import MODE_NAMES
+from gradnorm.modes import INVARIANT_MODES, MODE_NAMES
+from gradnorm.palette import MODE_COLORS
 from gradnorm.sharding import SHARD_KINDS
 from gradnorm.sweeps import GradientSweep, gradient_sweep
 
-Draw = Callable[..., tuple[dict, str]]  # draw(fig, **values) -> (artists, readout html)
+Draw = Callable[..., tuple[dict, str]]  # draw(**values) -> (artists, readout html), moving the view's artists
 
 
 class Explorer:
-    """Controls, a readout and a figure that is redrawn from scratch whenever a control changes."""
+    """Controls, a readout and a figure whose artists move in place whenever a control changes."""
 
-    def __init__(
-        self, controls: dict[str, widgets.ValueWidget], draw: Draw, figsize: tuple[float, float], dpi: int = 80,
-        reuse_margins: bool = True,
-    ):
+    def __init__(self, controls: dict[str, widgets.ValueWidget], figure: Figure, dynamic, draw: Draw):
         self.controls = controls
-        self._draw, self._figsize, self._dpi = draw, figsize, dpi
+        self.figure = figure
+        self._draw = draw
         self.readout = widgets.HTML(layout=widgets.Layout(min_height="2.5em"))
         self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
         self.box = widgets.VBox([widgets.HBox(list(controls.values())), self.readout, self.image])
-        self.figure: Figure | None = None
-        self.artists: dict = {}
-        self.reuse_margins = reuse_margins
-        self._margins: dict | None = None  # tight_layout's result on the first draw, reused after
+        self.artists, text = draw(**self.values)
+        figure.tight_layout()  # once: the margins then stay, so the picture does not jump between values
+        self.canvas = BlitCanvas(figure, dynamic)
         self._holding = False
         for control in controls.values():
             control.observe(lambda _change: self._holding or self.redraw(), names="value")
-        self.redraw()
+        self._show(text)
 
     @property
     def values(self) -> dict:
         return {name: control.value for name, control in self.controls.items()}
 
+    @property
+    def text(self) -> str:
+        """The readout as plain text, as a browser shows it."""
+        return as_text(self.readout.value)
+
     def redraw(self) -> None:
-        fig = Figure(figsize=self._figsize)
-        self.artists, text = self._draw(fig, **self.values)  # views are drawn with tight=False
-        # tight_layout lays out every label once more (about as slow as rendering the PNG), and the
-        # margins barely move between slider values: compute them on the first draw only.
-        if self._margins is None or not self.reuse_margins:
-            fig.tight_layout()
-            params = fig.subplotpars
-            self._margins = {k: getattr(params, k) for k in ("left", "right", "bottom", "top", "wspace", "hspace")}
-        else:
-            fig.subplots_adjust(**self._margins)
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=self._dpi)
-        self.figure = fig
-        self.image.value = buffer.getvalue()
+        self.artists, text = self._draw(**self.values)
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        self.image.value = self.canvas.png()
         self.readout.value = text
 
     def update(self, **values) -> dict:
@@ -86,6 +84,11 @@ class Explorer:
         return self.box._repr_mimebundle_(**kwargs)
 
 
+def as_text(markup: str) -> str:
+    """What a browser shows of a readout's HTML, whitespace collapsed."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"<br\s*/?>", " ", markup))).split())
+
+
 _STYLE = {"description_width": "initial"}
 
 
@@ -94,33 +97,41 @@ def _int_slider(description: str, value: int, low: int, high: int) -> widgets.In
                              continuous_update=False)
 
 
+def _colored(mode: str) -> str:
+    return f"<span style='color:{MODE_COLORS[mode]}'>{mode}</span>"
+
+
 # ---------------------------------------------------------------------------------------------
 # Notebook 01: token imbalance without a model
 # ---------------------------------------------------------------------------------------------
 
-FULL_LENGTH = 24  # tokens per sequence in a full microbatch of the explorer (24 divides by 1..4, 6, 8, 12)
+FULL_LENGTH = 24  # tokens per response in a full microbatch of the explorer
+IMBALANCES = (1, 2, 3, 4, 6, 8, 12, 24)  # the divisors of FULL_LENGTH: every imbalance is an exact ratio
 
 
-def draw_token_imbalance(fig: Figure, world_size: int, accum_steps: int, imbalance: float) -> tuple[dict, str]:
-    """Per-token weights under local and token, and rank shares, for ``imbalanced_minibatch``."""
-    batch = imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=FULL_LENGTH)
-    artists = plotting.imbalance_view(fig, batch, ("local", "token"), tight=False)
-    artists["batch"] = batch
-    return artists, describe_token_imbalance(batch, artists)
+def token_imbalance_batch(world_size: int, accum_steps: int, imbalance: int) -> Minibatch:
+    """The explorer's minibatch: responses of 24 tokens, rank 0's first microbatch 24 / imbalance."""
+    if FULL_LENGTH % imbalance:
+        raise ValueError(f"imbalance must divide {FULL_LENGTH} (one of {IMBALANCES}), got {imbalance}")
+    return imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=FULL_LENGTH)
 
 
 def describe_token_imbalance(batch: Minibatch, artists: dict) -> str:
+    """The readout: tokens per microbatch, rank 0's shares, and what a short-microbatch token weighs."""
     local, token = artists["shares"]["local"], artists["shares"]["token"]
     tokens = batch.microbatch_tokens()
-    ratio = weight_ratio(artists["layout"]["local"])
+    lay = artists["layout"]["local"]
+    n = float(lay.length.sum())
+    short, full = lay.weight[0], lay.weight[-1]
     per_mb = " | ".join(f"rank {r}: " + ", ".join(map(str, row)) for r, row in enumerate(tokens[:4]))
     more = " | ..." if len(tokens) > 4 else ""
+    vs_full = (f"{short / full:.2f}x a token of a full microbatch and " if batch.world_size * batch.accum_steps > 1
+               else "")
     return (
-        f"Tokens per microbatch: {per_mb}{more}.<br>"
+        f"Tokens per microbatch: {per_mb}{more} (N = {int(n)}).<br>"
         f"<b>rank 0: {local.update[0]:.0%} of the update for {local.tokens[0]:.0%} of the tokens</b> under "
-        f"<span style='color:{plotting.MODE_COLORS['local']}'>local</span>; "
-        f"{token.update[0]:.0%} under <span style='color:{plotting.MODE_COLORS['token']}'>token</span>. "
-        f"Under local a token of the short microbatch weighs {ratio:.1f}x a token of a full one (token: 1.0x)."
+        f"{_colored('local')}; {token.update[0]:.0%} under {_colored('token')}. "
+        f"Under local a token of rank 0's first microbatch weighs {vs_full}{short * n:.2f}x its correct weight 1/N."
     )
 
 
@@ -129,9 +140,19 @@ def token_imbalance_explorer(world_size: int = 2, accum_steps: int = 2, imbalanc
     controls = {
         "world_size": _int_slider("ranks W", world_size, 1, 8),
         "accum_steps": _int_slider("accumulation steps A", accum_steps, 1, 8),
-        "imbalance": _int_slider("imbalance", imbalance, 1, FULL_LENGTH),
+        "imbalance": widgets.SelectionSlider(options=list(IMBALANCES), value=imbalance, description="imbalance",
+                                             continuous_update=False, style=_STYLE),
     }
-    return Explorer(controls, draw_token_imbalance, figsize=(13, 3.8))
+    fig = Figure(figsize=(13, 3.8), dpi=80)
+    view = views.ImbalanceView(fig, max_sequences=8 * 8 * 2, max_ranks=8)
+
+    def draw(world_size: int, accum_steps: int, imbalance: int) -> tuple[dict, str]:
+        batch = token_imbalance_batch(world_size, accum_steps, imbalance)
+        artists = view.update(batch)
+        artists["batch"] = batch
+        return artists, describe_token_imbalance(batch, artists)
+
+    return Explorer(controls, fig, view.dynamic, draw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,17 +170,19 @@ def gradient_explorer(
     computed by ``gradnorm.sweeps.gradient_sweep`` with the same settings to reuse them.
     """
     sweeps = dict(sweeps or {})
+    fig = Figure(figsize=(14, 3.8), dpi=80)
+    view = views.GradientView(fig, imbalances, world_size, accum_steps)
 
-    def draw(fig: Figure, mode: str, shard: str, imbalance: float) -> tuple[dict, str]:
+    def draw(mode: str, shard: str, imbalance: float) -> tuple[dict, str]:
         if shard not in sweeps:
             sweeps[shard] = gradient_sweep(imbalances, shard=shard, world_size=world_size, accum_steps=accum_steps)
         sweep = sweeps[shard]
-        artists = plotting.gradient_view(fig, sweep, mode, imbalance, tight=False)
+        artists = view.update(sweep, mode, imbalance)
         artists["sweep"] = sweep
         k = artists["index"]
         tokens = sweep.microbatch_tokens[k]
         text = (f"{shard} sharding, imbalance {sweep.imbalance[k]:g}: microbatches hold {tokens.min()} to "
-                f"{tokens.max()} tokens.<br><b>{mode}: relative error {sweep.relative_error[mode][k]:.3g}, "
+                f"{tokens.max()} tokens.<br><b>{_colored(mode)}: relative error {sweep.relative_error[mode][k]:.3g}, "
                 f"cosine {sweep.cosine[mode][k]:.4f}</b> against the full-batch gradient.")
         return artists, text
 
@@ -169,7 +192,7 @@ def gradient_explorer(
         "imbalance": widgets.SelectionSlider(options=[float(k) for k in imbalances], value=float(imbalances[-1]),
                                              description="imbalance", continuous_update=False, style=_STYLE),
     }
-    return Explorer(controls, draw, figsize=(14, 3.8))
+    return Explorer(controls, fig, view.dynamic, draw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,42 +200,39 @@ def gradient_explorer(
 # ---------------------------------------------------------------------------------------------
 
 
-def draw_correct_vs_wrong(
-    fig: Figure, correct_len: int, wrong_len: int, num_correct: int, scale_by_std: bool = True,
-    group_size: int = 8, max_new_tokens: int = 64,
-) -> tuple[dict, str]:
-    view = correct_vs_wrong(correct_len, wrong_len, num_correct, group_size, max_new_tokens=max_new_tokens,
-                            scale_by_std=scale_by_std)
-    artists = lengthplots.correct_vs_wrong_view(fig, view, tight=False)
-    artists["view"] = view
-
+def describe_correct_vs_wrong(view) -> str:
     def down_vs_up(mode: str) -> float:
         up, down = view.push_per_token[mode]
         return abs(down) / up
 
-    text = (f"A wrong token is pushed down <b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is "
+    return (f"A wrong token is pushed down <b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is "
             f"pushed up under sequence, {down_vs_up('token'):.2f}x under token and constant. Correct responses get "
             f"<b>{view.update_share['sequence'][0]:.0%}</b> of the update under sequence, "
             f"<b>{view.update_share['token'][0]:.0%}</b> under token.")
-    return artists, text
 
 
 def length_bias_explorer(correct_len: int = 10, wrong_len: int = 40, num_correct: int = 4, group_size: int = 8,
-                         max_new_tokens: int = 64) -> Explorer:
+                         max_new_tokens: int = 64, scale_by_std: bool = True) -> Explorer:
     """Lengths of correct and wrong responses in one prompt group, and how many are correct (notebook 04)."""
     controls = {
         "correct_len": _int_slider("correct length", correct_len, 1, max_new_tokens),
         "wrong_len": _int_slider("wrong length", wrong_len, 1, max_new_tokens),
         "num_correct": _int_slider("correct of " + str(group_size), num_correct, 1, group_size - 1),
-        "scale_by_std": widgets.Checkbox(value=True, description="divide advantages by the group std"),
+        "scale_by_std": widgets.Checkbox(value=scale_by_std, description="divide advantages by the group std"),
     }
+    fig = Figure(figsize=(12, 4), dpi=80)
+    view = views.CorrectVsWrongView(fig, INVARIANT_MODES)
 
-    def draw(fig: Figure, **values) -> tuple[dict, str]:
-        return draw_correct_vs_wrong(fig, group_size=group_size, max_new_tokens=max_new_tokens, **values)
+    def draw(correct_len: int, wrong_len: int, num_correct: int, scale_by_std: bool) -> tuple[dict, str]:
+        data = correct_vs_wrong(correct_len, wrong_len, num_correct, group_size, max_new_tokens=max_new_tokens,
+                                scale_by_std=scale_by_std)
+        artists = view.update(data)
+        artists["view"] = data
+        return artists, describe_correct_vs_wrong(data)
 
-    return Explorer(controls, draw, figsize=(12, 4))
+    return Explorer(controls, fig, view.dynamic, draw)
 
 
 def bar_heights(bars) -> np.ndarray:
-    """The heights of a BarContainer, for tests and readouts."""
+    """The heights of a BarContainer or a list of bars, for tests and readouts."""
     return np.array([b.get_height() for b in bars])

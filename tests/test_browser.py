@@ -373,17 +373,20 @@ def _notebook(name):
     return f"notebooks/{name}"
 
 
-@pytest.mark.parametrize("name, description, factory", [
-    pytest.param("01_token_imbalance.ipynb", "imbalance", "token_imbalance_explorer", id="01"),
-    pytest.param("04_denominators_and_length_bias.ipynb", "wrong length", "length_bias_explorer", id="04"),
+@pytest.mark.parametrize("name, description, factory, options", [
+    pytest.param("01_token_imbalance.ipynb", "imbalance", "token_imbalance_explorer", "IMBALANCES", id="01"),
+    pytest.param("04_denominators_and_length_bias.ipynb", "wrong length", "length_bias_explorer", None, id="04"),
 ])
-def test_notebook_slider_redraws_its_plot(page, lab, tmp_path, name, description, factory):
+def test_notebook_slider_redraws_its_plot(page, lab, tmp_path, name, description, factory, options):
     from gradnorm import widgets
 
     relpath, stem = _notebook(name), name[:2]
     open_and_run_all(page, lab, relpath, tmp_path, stem)
     move = move_slider_and_check_redraw(page, description, tmp_path, stem)
-    assert int(move.readout_after) == int(move.readout_before) + PRESSES
+    # An IntSlider moves by 1 per press; a SelectionSlider (01's exact imbalances) by one option.
+    steps = list(getattr(widgets, options)) if options else None
+    before, after = int(move.readout_before), int(move.readout_after)
+    assert (steps.index(after) - steps.index(before) if steps else after - before) == PRESSES
 
     # The text readout is the library's, for the values the sliders now show (the notebooks call
     # the explorers with their defaults; the checkbox of 04 stays at its default).

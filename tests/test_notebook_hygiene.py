@@ -111,3 +111,42 @@ def test_embedded_figures_exist(path):
     text = "\n".join(c.source for c in load(path).cells if c.cell_type == "markdown")
     for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
         assert (path.parent / target).resolve().is_file(), f"{target} is missing: run python figures/make_figures.py"
+
+
+def markdown(path) -> str:
+    return "\n".join(c.source for c in load(path).cells if c.cell_type == "markdown")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_nothing_shown_lives_outside_the_notebooks_folder(path):
+    # A reader who opens notebooks/ alone (a download, nbviewer) must see every image it shows.
+    for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown(path)):
+        assert not target.startswith(("../", "/")), f"{target}: point inside notebooks/ or draw it in a cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS[1:], ids=IDS[1:])
+def test_every_later_notebook_points_to_the_glossary(path):
+    assert "01's glossary" in load(path).cells[0].source
+
+
+def test_the_glossary_defines_every_symbol_the_notebooks_share():
+    glossary = load(NOTEBOOKS[0]).cells[1].source
+    for term in ("| W |", "| A |", "| N |", "| S |", "| adv_i |", "| w[i, t] |", "| mode |", "| sharding |",
+                 "| imbalance |", "C = S · max_new_tokens"):
+        assert term in glossary, term
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_the_advantage_is_never_called_a(path):
+    # A is the accumulation steps everywhere; the advantage is adv_i.
+    assert not re.search(r"\bA_i\b|\bA [<>] 0|[+−-]A\b(?! ?=)|\\hat ?A", markdown(path)), path.name
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_explorer_leaves_stills_for_a_reader_without_a_kernel(path):
+    cells = load(path).cells
+    for k, cell in enumerate(cells):
+        lines = [line for line in cell.source.strip().splitlines() if line.strip()] if cell.cell_type == "code" else []
+        if lines and re.fullmatch(r"explorer", lines[-1].strip()):  # the cell displays a widget
+            later = [c.source for c in cells[k + 1:k + 3] if c.cell_type == "code"]
+            assert later and "display(Image(" in later[0] and "print(" in later[0], f"cell {k}: no stills after it"

@@ -11,7 +11,8 @@ from gradnorm import runs
 def fake_run(tmp_path, name, denominator, shard, digests, grad_norms, tokens_per_rank):
     out = tmp_path / name
     out.mkdir()
-    (out / "config.json").write_text(json.dumps({"loss_denominator": denominator, "shard": shard}))
+    (out / "config.json").write_text(json.dumps({"loss_denominator": denominator, "shard": shard,
+                                                  "max_grad_norm": 1.5}))
     rows = [{"step": k + 1, "grad_norm": g, "reward_mean": 0.5, "response_len_mean": 9.0, "rollout_digest": d,
              "tokens": sum(t), "tokens_per_rank": t}
             for k, (d, g, t) in enumerate(zip(digests, grad_norms, tokens_per_rank))]
@@ -39,3 +40,21 @@ def test_read_metrics_reads_one_row_per_line_and_skips_blank_lines(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n\n{"step": 2}\n')
     assert runs.read_metrics(path) == [{"step": 1}, {"step": 2}]
+
+
+def test_clipped_steps_count_norms_above_the_run_s_threshold(tmp_path):
+    run = fake_run(tmp_path, "a", "local", "length", ["x"] * 4, [1.0, 1.5, 1.6, 3.0], [[1, 1]] * 4)
+    assert runs.clipped_steps(run) == 2  # 1.5 is the flag: at the threshold clipping changes nothing
+    assert runs.clipped_steps(run, max_grad_norm=0.5) == 4
+
+
+def test_seed_spread_is_the_trailing_average_at_a_step(tmp_path):
+    made = []
+    for seed, rewards in enumerate([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]):
+        run = fake_run(tmp_path, f"s{seed}", "token", "length", ["x"] * 4, [1.0] * 4, [[1, 1]] * 4)
+        for row, r in zip(run.metrics, rewards):
+            row["reward_mean"] = r
+        made.append(run)
+    spread = runs.seed_spread(made, "reward_mean", step=3, window=2)
+    assert_allclose(spread.values, [1.0, 0.5])  # steps 2-3 of each run
+    assert (spread.mean, spread.low, spread.high) == (0.75, 0.5, 1.0)

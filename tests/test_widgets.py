@@ -1,9 +1,10 @@
 """The notebooks' explorers, driven without a browser.
 
 Each test builds an explorer, moves a control the way a reader would (setting its ``value``), and
-checks that the drawn data (bar heights, line data) and the readout changed as the math says, by
+checks that the drawn data (bar bounds, line data) and the readout changed as the math says, by
 recomputing the expected numbers with ``gradnorm.imbalance`` and ``gradnorm.runs``. Pixels are
-never compared; the PNG only has to change.
+compared in one place only: a frame the in-place canvas blits must equal the same figure drawn
+from scratch (``test_blitted_frames_equal_full_redraws``), so caching never shows a stale picture.
 """
 
 import numpy as np
@@ -29,12 +30,68 @@ def test_token_imbalance_explorer_defaults():
     assert_allclose(bar_heights(explorer.artists["share_bars"]["local"]), [0.5, 0.5])
     assert_allclose(bar_heights(explorer.artists["share_bars"]["tokens"]), [60 / 156, 96 / 156])
     assert_allclose(bar_heights(explorer.artists["share_bars"]["token"]), [60 / 156, 96 / 156])
-    assert_allclose(bar_heights(explorer.artists["weights"]["local"]), [1 / 48] * 2 + [1 / 192] * 6)
-    assert_allclose(bar_heights(explorer.artists["weights"]["token"]), [1 / 156] * 8)
-    assert "rank 0: 50% of the update for 38% of the tokens" in explorer.readout.value
-    assert "4.0x" in explorer.readout.value
+    # heights are w x N; widths the response's share of the tokens; areas its share of the update
+    bars = explorer.artists["weights"]["local"]
+    assert_allclose(bar_heights(bars), [156 / 48] * 2 + [156 / 192] * 6)
+    assert_allclose([b.get_width() for b in bars], [6 / 156] * 2 + [24 / 156] * 6)
+    assert_allclose(sum(b.get_width() * b.get_height() for b in bars), 1.0)
+    assert_allclose(explorer.artists["line"].get_ydata(), 1.0)  # token: every token weighs 1/N
+    assert "rank 0: 50% of the update for 38% of the tokens" in explorer.text
+    # the ratio to a token of a full microbatch (the imbalance) and to the correct weight 1/N
+    assert "weighs 4.00x a token of a full microbatch and 3.25x its correct weight 1/N" in explorer.text
     assert explorer.image.value[:8] == b"\x89PNG\r\n\x1a\n"
     assert "application/vnd.jupyter.widget-view+json" in explorer._repr_mimebundle_()
+
+
+def test_the_png_decodes_to_the_rendered_pixels():
+    from io import BytesIO
+
+    from PIL import Image
+
+    explorer = widgets.token_imbalance_explorer()
+    decoded = np.asarray(Image.open(BytesIO(explorer.image.value)).convert("RGBA"))
+    np.testing.assert_array_equal(decoded, explorer.canvas.render())
+
+
+@pytest.mark.parametrize("factory, moves", [
+    ("token_imbalance_explorer", [{"imbalance": 24}, {"world_size": 5}, {"accum_steps": 1}, {"imbalance": 2},
+                                  {"world_size": 2, "accum_steps": 2, "imbalance": 4}, {"imbalance": 6}]),
+    ("length_bias_explorer", [{"wrong_len": 64}, {"correct_len": 1}, {"num_correct": 7}, {"scale_by_std": False},
+                              {"wrong_len": 40, "correct_len": 10, "num_correct": 4}]),
+])
+def test_blitted_frames_equal_full_redraws(factory, moves):
+    # The control is the same figure drawn from scratch; a stale background or axis cache would differ.
+    explorer = getattr(widgets, factory)()
+    for values in moves:
+        explorer.update(**values)
+        blitted = explorer.canvas.render().copy()
+        explorer.canvas.blit = False
+        full = explorer.canvas.render().copy()
+        explorer.canvas.blit = True
+        np.testing.assert_array_equal(blitted, full, err_msg=str(values))
+
+
+def test_each_axis_state_is_drawn_once_then_pasted():
+    explorer = widgets.token_imbalance_explorer()
+    for value in (2, 8, 2, 8):  # warm: the ladder limits of imbalance 2 and 8 are in the cache
+        explorer.update(imbalance=value)
+    draws, redraws = explorer.canvas.axis_draws, explorer.canvas.full_redraws
+    for value in (2, 8, 2, 8, 2):
+        explorer.update(imbalance=value)
+    assert (explorer.canvas.axis_draws, explorer.canvas.full_redraws) == (draws, redraws)
+    explorer.update(imbalance=24)  # a new y limit: its axis is drawn once
+    assert explorer.canvas.axis_draws > draws and explorer.canvas.full_redraws == redraws
+
+
+def test_a_view_change_it_did_not_declare_dynamic_is_drawn_anyway():
+    # The safety net: a static label changed behind the canvas's back forces a full redraw.
+    explorer = widgets.token_imbalance_explorer()
+    before = explorer.canvas.full_redraws
+    explorer.update(imbalance=2)
+    assert explorer.canvas.full_redraws == before  # blitted
+    explorer.figure.axes[0].set_xlabel("something else")
+    explorer.update(imbalance=3)
+    assert explorer.canvas.full_redraws == before + 1
 
 
 def test_moving_the_imbalance_slider_to_one_balances_local():
@@ -42,14 +99,13 @@ def test_moving_the_imbalance_slider_to_one_balances_local():
     before = (explorer.image.value, explorer.readout.value)
     explorer.controls["imbalance"].value = 1  # what a reader's keyboard does
     assert_allclose(bar_heights(explorer.artists["share_bars"]["tokens"]), [0.5, 0.5])
-    local = bar_heights(explorer.artists["weights"]["local"])
-    assert_allclose(local, bar_heights(explorer.artists["weights"]["token"]))  # balanced: local is right
-    assert_allclose(local, 1 / 192)
+    assert_allclose(bar_heights(explorer.artists["weights"]["local"]), 1.0)  # balanced: local is the token mean
     assert "50% of the update for 50% of the tokens" in explorer.readout.value
+    assert "weighs 1.00x a token of a full microbatch and 1.00x its correct weight" in explorer.text
     assert explorer.image.value != before[0] and explorer.readout.value != before[1]
 
 
-@pytest.mark.parametrize("world_size, accum_steps, imbalance", [(4, 1, 8), (3, 2, 12), (1, 1, 6)])
+@pytest.mark.parametrize("world_size, accum_steps, imbalance", [(4, 1, 8), (3, 2, 12), (1, 1, 6), (8, 8, 24)])
 def test_bar_heights_follow_the_sliders(world_size, accum_steps, imbalance):
     explorer = widgets.token_imbalance_explorer()
     artists = explorer.update(world_size=world_size, accum_steps=accum_steps, imbalance=imbalance)
@@ -57,7 +113,11 @@ def test_bar_heights_follow_the_sliders(world_size, accum_steps, imbalance):
     for mode in ("local", "token"):
         shares = batch_rank_shares(batch, mode)
         assert_allclose(bar_heights(artists["share_bars"][mode]), shares.update)
-        assert_allclose(bar_heights(artists["weights"][mode]), token_layout(batch, mode).weight)
+    layout = token_layout(batch, "local")
+    n = layout.length.sum()
+    assert_allclose(bar_heights(artists["weights"]["local"]), layout.weight * n)
+    assert_allclose([b.get_x() for b in artists["weights"]["local"]], layout.left / n)
+    assert sum(b.get_visible() for b in explorer.artists["weights"]["local"]) == len(batch.lengths)
     assert len(artists["share_bars"]["local"]) == world_size
     local = batch_rank_shares(batch, "local")
     expected = f"rank 0: {local.update[0]:.0%} of the update for {local.tokens[0]:.0%} of the tokens"
@@ -77,13 +137,15 @@ def gradient_explorer():
 
 
 def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
+    from gradnorm.views import LOG_FLOOR
+
     explorer = gradient_explorer
     explorer.update(mode="local", shard="length", imbalance=12.0)
     error_line, cosine_line = explorer.artists["lines"]["local"]
     sweep = explorer.artists["sweep"]
     assert_allclose(error_line.get_xdata(), IMBALANCES)
-    assert_allclose(error_line.get_ydata(), sweep.relative_error["local"])
-    assert_allclose(cosine_line.get_ydata(), sweep.cosine["local"])
+    assert_allclose(error_line.get_ydata(), np.maximum(sweep.relative_error["local"], LOG_FLOOR))
+    assert_allclose(cosine_line.get_ydata(), np.maximum(1 - sweep.cosine["local"], LOG_FLOOR))
     assert error_line.get_ydata()[-1] > 0.3 and error_line.get_ydata()[0] < 1e-12
     assert_allclose(bar_heights(explorer.artists["tokens"]), sweep.microbatch_tokens[-1].reshape(-1))
     assert f"relative error {sweep.relative_error['local'][-1]:.3g}" in explorer.readout.value
@@ -95,7 +157,7 @@ def test_gradient_explorer_mode_shard_and_imbalance(gradient_explorer):
     length_tokens = bar_heights(explorer.artists["tokens"])
     explorer.controls["mode"].value = "token"
     error_line, cosine_line = explorer.artists["lines"]["token"]
-    assert np.all(error_line.get_ydata() < 1e-12) and np.allclose(cosine_line.get_ydata(), 1.0)
+    assert np.all(error_line.get_ydata() < 1e-12) and np.all(cosine_line.get_ydata() < 1e-12)
     explorer.controls["shard"].value = "balanced"
     balanced_tokens = bar_heights(explorer.artists["tokens"])
     assert balanced_tokens.max() - balanced_tokens.min() < length_tokens.max() - length_tokens.min()
@@ -114,6 +176,7 @@ def test_length_bias_explorer():
     up, down = view.push_per_token["sequence"]
     assert abs(down) / up == pytest.approx(10 / 40)
     assert "<b>0.25x</b>" in explorer.readout.value
+    assert_allclose(bar_heights(explorer.artists["share_correct"]) + bar_heights(explorer.artists["share_wrong"]), 1)
     explorer.controls["wrong_len"].value = 10  # equal lengths: no length bias left
     view = explorer.artists["view"]
     up, down = view.push_per_token["sequence"]
@@ -145,3 +208,12 @@ def test_training_curves_draw_the_trailing_average(tmp_path):
     share = plotting.plot_rank_token_share(axes[3], [run], world_size=2, window=1)
     assert_allclose(share["local, length"].get_ydata(), 0.25)
     assert_allclose(share["local"].get_ydata(), 0.5)
+
+
+def test_axis_limits_sit_on_a_ladder_of_round_numbers():
+    from gradnorm.views import nice_ceiling
+
+    assert [nice_ceiling(x) for x in (0.0, 1.0, 1.1, 2.0, 3.58, 9.3, 20.1)] == [1.0, 1.0, 1.25, 2.0, 4.0, 10.0, 25.0]
+    assert nice_ceiling(1.3e-16) == pytest.approx(1.5e-16)
+    ladder = {nice_ceiling(x) for x in np.linspace(1, 100, 1000)}
+    assert len(ladder) == 21  # two decades of 1 .. 8 steps, and 100: few states for the axis cache
