@@ -1,7 +1,8 @@
 """The process group and its collectives: setup, THE all-reduce of counts, rank-0 printing.
 
 It sets up the process group (NCCL on CUDA, gloo on CPU, chosen automatically), performs the one
-all-reduce of counts per minibatch, reduces logging statistics, and prints on rank 0. Every
+all-reduce of counts per minibatch, reduces logging statistics (sums; the max of
+phase times), and prints on rank 0. Every
 function also works in a plain single process with no process group, where a reduction is the
 identity.
 """
@@ -88,6 +89,18 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     """Sum ``tensor`` over ranks, in place; the identity without a process group."""
     if _active():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Max of ``tensor`` over ranks, in place (the trainer's phase times); the identity alone.
+
+    NCCL reduces CUDA tensors only, so a CPU tensor makes a round trip to this rank's GPU there.
+    """
+    if _active():
+        on_device = tensor.cuda() if dist.get_backend() == "nccl" else tensor
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+        tensor.copy_(on_device)
     return tensor
 
 
