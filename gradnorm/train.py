@@ -88,6 +88,7 @@ from gradnorm.dist import comm, wrap
 from gradnorm.grpo import finalize_stats, grpo_token_losses
 from gradnorm.prompts import PromptTask
 from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
+from gradnorm.scoring import score_by_length
 from gradnorm.sharding import make_plan, tokens_per_rank
 from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs, token_logprobs_and_entropy
@@ -256,8 +257,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
                                            temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std)
             timer.lap("rollout")
             with torch.no_grad(), autocast():  # log-probs of the sampling policy, needed once samples are reused
-                old_logp = score(model, rollout.tokens, P)[0] if U > 1 else None
-                ref_logp = score(ref, rollout.tokens, P)[0] if ref is not None else None
+                old_logp = score_by_length(score, model, rollout.tokens, P, rollout.lengths)[0] if U > 1 else None
+                ref_logp = score_by_length(score, ref, rollout.tokens, P, rollout.lengths)[0] if ref is not None else None
             timer.lap("scoring")
         mb_index = j % cfg.minibatches_per_rollout
         mb = rollout.groups(mb_index * cfg.prompts_per_step, cfg.prompts_per_step)
@@ -271,7 +272,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         def token_losses(idx):  # the forward pass of one microbatch, through DDP or FSDP
             with autocast():
-                logp, entropy = score(dp_model, mb.tokens[idx], P)  # fp32 even under autocast
+                logp, entropy = score_by_length(score, dp_model, mb.tokens[idx], P, mb.lengths[idx])  # fp32 even under autocast
             return grpo_token_losses(
                 logp, logp.detach() if mb_old is None else mb_old[idx], mb.advantages[idx],
                 ref_logp=None if mb_ref is None else mb_ref[idx], beta=cfg.beta, clip_low=cfg.clip_low,
