@@ -33,7 +33,9 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
  3. Accumulate. ``dist.comm.global_counts`` counts this rank's response tokens and all-reduces
     the count vector ONCE (the fix; skipped by local and a constant, which need no counts);
     ``update.accumulate_gradients`` backpropagates each microbatch's weighted loss with those
-    counts, under DDP's no_sync except the last.
+    counts, under DDP's no_sync except the last. A microbatch's forward runs in chunks of rows of
+    similar response length, each cut to its longest response (``scoring.score_by_length``): the
+    same log-probs inside the response mask, without most of the padding.
  4. Step. Clip the global gradient norm (the logged grad_norm is the norm before clipping, the
     same on every rank after DDP's all-reduce), AdamW step.
  5. Log and checkpoint. One more all-reduce of 6 float64 sums (J, tokens, pg loss, KL, clipped tokens, entropy)
