@@ -3,6 +3,7 @@
     python benchmarks/bench.py               # full run, a few minutes on 2 cores (make bench)
     python benchmarks/bench.py --quick       # a smoke-sized run
     python benchmarks/bench.py --out DIR     # where results.md and results.json go
+    python benchmarks/bench.py --readme README.md  # also rewrite the README's summary between its markers
 
 Every comparison is measured side by side in one run: the modes of a table are interleaved
 round-robin (rotating the order each round) on the same ranks, so a noisy neighbour slows them
@@ -10,6 +11,8 @@ alike, and each is reported as a median with its spread and as a ratio to the ba
 
 1. Optimizer-step time of every denominator against ``local``, on 2 gloo ranks, DDP with
    accumulation; and the collectives gradnorm issues per step beyond DDP's gradient all-reduce.
+   The fix's cost resolved (``fixcost.py``): the count all-reduce and the weights timed directly
+   (median, p90, % of a step), and the step-time ratio token / local with a bootstrap 95% CI.
 2. Rollout generation with the KV cache against without it.
 3. How step time grows with response length, model width and world size (1, 2, 4 gloo ranks).
 4. How long each notebook takes under nbmake (CI-sized, as the test suite runs it), and how long
@@ -39,6 +42,9 @@ from gradnorm.grpo import grpo_token_losses
 from gradnorm.sharding import make_plan
 from gradnorm.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs
 from gradnorm.update import accumulate_gradients
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fixcost.py beside this script, also in spawned ranks
+import fixcost  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,12 +234,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test of the benchmark")
     parser.add_argument("--out", default="benchmarks", help="folder for results.md and results.json")
     parser.add_argument("--skip-notebooks", action="store_true", help="leave out the nbmake timings")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of the overhead table (default 60, quick 8)")
+    parser.add_argument("--readme", help="rewrite the summary between the bench markers of this README")
     args = parser.parse_args(argv)
-    rounds = 5 if args.quick else 40
+    rounds = args.rounds or (8 if args.quick else 60)
     base = StepSetup()
     report: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                "torch": torch.__version__, "python": platform.python_version()},
-                    "setup": asdict(base), "rounds": rounds}
+                                "torch": torch.__version__, "python": platform.python_version(),
+                                "load_average_at_start": os.getloadavg()[0]},
+                    "setup": asdict(base), "rounds": rounds, "quick": args.quick}
 
     print(f"[1/4] normalization overhead on 2 gloo ranks ({rounds} interleaved rounds)...", flush=True)
     sizes = [("len16", StepSetup(max_response=16)), ("len32", base), ("len64", StepSetup(max_response=64)),
@@ -244,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     report["overhead"] = {m: _summary(t) for m, t in steps["overhead"]["times"].items()}
     report["collectives"] = steps["overhead"]["collectives"]
     report["scaling_size"] = {name: {m: _summary(t) for m, t in steps[name]["times"].items()} for name, _ in sizes}
+    pieces = spawn_gloo(fixcost.time_fix_pieces, 2, base, 50 if args.quick else 500)[0]
+    report["fix_cost"] = fixcost.fix_cost_report(pieces, steps["overhead"]["times"])
 
     print("[2/4] generation with and without the KV cache...", flush=True)
     report["generation"] = bench_generation([16, 64, 256], 32, 3 if args.quick else 10)
@@ -265,6 +276,28 @@ def main(argv: list[str] | None = None) -> None:
     (out / "results.json").write_text(json.dumps(report, indent=2))
     (out / "results.md").write_text(render_markdown(report))
     print((out / "results.md").read_text())
+    if args.readme:
+        update_readme(Path(args.readme), readme_summary(report))
+
+
+README_BEGIN, README_END = "<!-- bench:begin (written by make bench) -->", "<!-- bench:end -->"
+
+
+def readme_summary(report: dict) -> str:
+    """The README's paragraph of numbers, copied from the same report that results.md shows."""
+    m = report["machine"]
+    return (f"From `benchmarks/results.md` as written by the same `make bench` run ({m['cpus']} CPUs, load "
+            f"average {m['load_average_at_start']:.1f} at its start{', --quick' if report['quick'] else ''}): "
+            + fixcost.summary_sentence(report["fix_cost"]))
+
+
+def update_readme(path: Path, summary: str) -> None:
+    """Replace the text between the README's bench markers with ``summary`` (markers must exist)."""
+    text = path.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"error: {path} has no {README_BEGIN} ... {README_END} block to rewrite")
+    path.write_text(text[: start + len(README_BEGIN)] + "\n" + summary + "\n" + text[end:])
 
 
 def render_markdown(report: dict) -> str:
@@ -275,7 +308,11 @@ def render_markdown(report: dict) -> str:
     lines = [
         "# gradnorm benchmark results",
         "",
-        f"Generated by `python -m gradnorm.bench` on {m['cpus']} CPUs ({m['platform']}), torch {m['torch']}.",
+        f"Generated by `make bench` (`python benchmarks/bench.py{' --quick' if report.get('quick') else ''}`) on "
+        f"{m['cpus']} CPUs ({m['platform']}), torch {m['torch']}, load average {m.get('load_average_at_start', 0):.1f}"
+        " at the start (other jobs share the machine when it is above 0)."
+        + (" A --quick run: smoke-sized, it checks the command; quote only a full run on a quiet machine."
+           if report.get("quick") else ""),
         f"Minibatch: {s['num_groups']} groups x {s['group_size']} completions, responses of 1..{s['max_response']}"
         f" tokens, TinyGPT n_embd={s['n_embd']} n_layer={s['n_layer']}, A={s['accum_steps']},"
         f" --shard {s['shard']}, {report['rounds']} interleaved rounds after a warm-up.",
@@ -288,6 +325,10 @@ def render_markdown(report: dict) -> str:
     for mode, row in report["overhead"].items():
         lines.append(f"| {mode} | {row['median_ms']:.2f} | {row['p10_ms']:.2f}-{row['p90_ms']:.2f} |"
                      f" {row['median_ms'] / local:.3f} | {report['collectives'][mode]} |")
+    if "fix_cost" in report:
+        lines += ["", "The fix's cost resolved: its two pieces timed directly on 2 gloo ranks (interleaved, "
+                  "ranks lined up at a barrier before each all-reduce), beside the whole step.", "",
+                  *fixcost.render_fix_cost(report["fix_cost"])]
     lines += ["", "## 2. Rollout generation: KV cache against full recompute (1 process, 1 thread)", "",
               "| batch | new tokens | with cache (tok/s) | without (tok/s) | speed-up |", "|---|---|---|---|---|"]
     for row in report["generation"]:

@@ -161,13 +161,14 @@ class TinyGPT(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, device=p.device, dtype=p.dtype)
 
-    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for token ids idx (B, T).
+    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits (B, T, V) for token ids idx (B, T); only the last ``logits_to_keep`` positions if > 0.
 
         Without a cache, this is the full causal pass over positions 0 .. T-1. With a cache, idx
         holds the T tokens at positions kv_cache.pos .. kv_cache.pos + T - 1; their keys and
         values are appended to the cache, and the logits are those the full pass would give at
-        these positions (to float rounding).
+        these positions (to float rounding). ``logits_to_keep`` (as in Hugging Face models) runs
+        the final LayerNorm and the head on the positions the caller scores, not on the prompt's.
         """
         B, T = idx.shape
         start = 0 if kv_cache is None else kv_cache.pos
@@ -179,7 +180,9 @@ class TinyGPT(nn.Module):
             x = block(x, kv_cache, layer)
         if kv_cache is not None:
             kv_cache.advance(T)
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]  # (B, logits_to_keep, C)
+        return self.lm_head(self.ln_f(x))  # (B, T or logits_to_keep, V)
 
 
 @torch.no_grad()
@@ -250,5 +253,6 @@ def response_logprobs(model: TinyGPT, tokens: torch.Tensor, prompt_len: int) -> 
     response's predictions are logits[:, prompt_len - 1 :] of the pass over tokens[:, :-1].
     Positions after EOS are scored too (as PAD); the caller's response mask removes them.
     """
-    logits = model(tokens[:, :-1])  # (B, L - 1, V)
-    return token_logprobs_and_entropy(logits[:, prompt_len - 1 :], tokens[:, prompt_len:])
+    R = tokens.shape[1] - prompt_len
+    logits = model(tokens[:, :-1], logits_to_keep=R)  # (B, R, V): positions prompt_len - 1 .. L - 2
+    return token_logprobs_and_entropy(logits, tokens[:, prompt_len:])

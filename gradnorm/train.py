@@ -2,7 +2,7 @@
 
 Run it from the repository root (after ``make install`` or ``pip install -e .``):
 
-    # the main job: 2 CPU ranks over gloo, about 3 minutes on 2 cores
+    # the main job: 2 CPU ranks over gloo, about a minute on 2 cores
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 gradnorm/train.py
     # one process, no torchrun (the same run, to fp32 rounding)
     python gradnorm/train.py
@@ -40,12 +40,16 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
  3. Accumulate. ``dist.comm.global_counts`` counts this rank's response tokens and all-reduces
     the count vector ONCE (the fix; skipped by local and a constant, which need no counts);
     ``update.accumulate_gradients`` backpropagates each microbatch's weighted loss with those
-    counts, under DDP's no_sync except the last.
+    counts, under DDP's no_sync except the last. A microbatch's forward runs in chunks of rows of
+    similar response length, each cut to its longest response (``scoring.score_by_length``): the
+    same log-probs inside the response mask, without most of the padding.
  4. Step. Clip the global gradient norm (the logged grad_norm is the norm before clipping, the
     same on every rank after DDP's all-reduce), AdamW step.
  5. Log and checkpoint. One more all-reduce of 6 float64 sums (J, tokens, pg loss, KL, clipped tokens, entropy)
     makes every logged statistic a global, token-weighted value comparable across W and A. It is a
     logging collective, the same in every mode, separate from the normalization's count all-reduce.
+    A last tiny one (MAX of 3 floats) gives the slowest rank's phase times: where a step's time goes
+    (``gradnorm.phases``: time_rollout_s, time_forward_backward_s, ...) is logged every step.
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
@@ -89,12 +93,13 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, export, failures, hfmodels, memory, preflight, rundir
+from gradnorm import checkpointing, export, failures, hfmodels, memory, phases, preflight, rundir
 from gradnorm.dist import comm, wrap
 from gradnorm.dist import state as dist_state
 from gradnorm.grpo import finalize_stats, grpo_token_losses
 from gradnorm.prompts import PromptTask
 from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
+from gradnorm.scoring import score_by_length
 from gradnorm.sharding import make_plan, tokens_per_rank
 from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs, token_logprobs_and_entropy
@@ -105,8 +110,10 @@ class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. too many non-finite steps in a row); main prints it in one line."""
 
 
-TIMING_KEYS = ("tokens_per_second", "elapsed_s", "max_memory_gib")
+TIMING_KEYS = ("tokens_per_second", "elapsed_s", "max_memory_gib", *phases.METRIC_KEYS)
 """Measured metrics (wall time; CUDA memory): everything else in metrics.jsonl is a function of the config."""
+BAR_PHASES = ("rollout", "forward_backward", "optimizer")
+"""Phase times (gradnorm.phases) the progress bar shows beside the reward."""
 
 
 def warm_up(model: TinyGPT, task: RepeatTask, cfg: TrainConfig) -> None:
@@ -271,7 +278,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     bar = tqdm(total=cfg.steps, initial=run.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
     elapsed0 = run.elapsed_s
-    t0 = t_prev = time.perf_counter()
+    timer = phases.PhaseTimer(ctx.device)  # laps between the numbered steps: where a step's time goes
+    t0 = t_prev = timer.last
     rollout = old_logp = ref_logp = None
     for step in range(run.step + 1, cfg.steps + 1):
         # 1. Rollout: sampled once per rollout batch, then reused by its U updates.
@@ -283,9 +291,11 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
                 rollout = generate_rollout(sampler, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                            group_size=cfg.group_size, seed=cfg.seed, step=step - j,
                                            temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
+            timer.lap("rollout")
             with torch.no_grad(), autocast():  # log-probs of the sampling policy, needed once samples are reused
-                old_logp = score(model, rollout.tokens, P)[0] if U > 1 else None
-                ref_logp = score(ref, rollout.tokens, P)[0] if ref is not None else None
+                old_logp = score_by_length(score, model, rollout.tokens, P, rollout.lengths)[0] if U > 1 else None
+                ref_logp = score_by_length(score, ref, rollout.tokens, P, rollout.lengths)[0] if ref is not None else None
+            timer.lap("scoring")
         mb_index = j % cfg.minibatches_per_rollout
         mb = rollout.groups(mb_index * cfg.prompts_per_step, cfg.prompts_per_step)
         rows = slice(mb_index * cfg.sequences_per_step, (mb_index + 1) * cfg.sequences_per_step)
@@ -298,7 +308,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         def token_losses(idx):  # the forward pass of one microbatch, through DDP or FSDP
             with autocast():
-                logp, entropy = score(dp_model, mb.tokens[idx], P)  # fp32 even under autocast
+                logp, entropy = score_by_length(score, dp_model, mb.tokens[idx], P, mb.lengths[idx])  # fp32 even under autocast
             return grpo_token_losses(
                 logp, logp.detach() if mb_old is None else mb_old[idx], mb.advantages[idx],
                 ref_logp=None if mb_ref is None else mb_ref[idx], beta=cfg.beta, clip_low=cfg.clip_low,
@@ -307,31 +317,40 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         # 3. Accumulate: THE all-reduce of counts (the fix), then every microbatch's backward.
         opt.zero_grad(set_to_none=True)
+        timer.lap("shard")
         counts = comm.global_counts(plan[ctx.rank], mb.lengths, mb.group_ids, mb.num_groups, cfg.denominator)
+        timer.lap("counts")
         sums = accumulate_gradients(dp_model, plan[ctx.rank], mb.mask, mb.group_ids, counts,
                                     cfg.denominator, token_losses, W)
+        timer.lap("forward_backward")
 
         # 4. Step: clip the global norm; skip the update on every rank if anything is non-finite.
         grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
         stats = finalize_stats(comm.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
         apply_or_skip(opt, grad_norm, stats, run, step, cfg)
+        timer.lap("optimizer")
 
         # 5. Log (rank 0) and checkpoint.
-        now = time.perf_counter()
+        now = timer.last  # the step ends at its last lap, so its phase times add up to its wall time
+        phase_times = timer.split(comm.all_reduce_max)  # rank 0's laps, and the max over ranks (a tiny all-reduce)
         record = step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run,
                              tokens_per_second=stats["tokens"] / max(now - t_prev, 1e-9),
                              elapsed_s=elapsed0 + now - t0, device=ctx.device)
+        record.update(phase_times)
         t_prev = now
         run.step, run.elapsed_s = step, record["elapsed_s"]
         if ctx.is_main:
             write_record(metrics, bar, record, cfg)
+        timer.lap("log")
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             save_checkpoint(out, model, opt, ref, run, ctx)
+        timer.lap("checkpoint")
         if run.in_a_row >= cfg.max_skipped_steps:
             raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                 "the weights are unchanged since step " f"{step - run.in_a_row}: lower --lr or "
                                 "check the reward, or raise --max-skipped-steps")
     bar.close()
+    comm.print0(f"last checkpoint written in {timer.peek('checkpoint'):.2f} s (each line of metrics.jsonl has the one before it)")
     if cfg.export_dir is not None:  # the trained Hugging Face policy, loadable with from_pretrained
         export.save_trained(model, task.tokenizer_hf, cfg.export_dir, ctx.is_main)
     if ctx.is_main:
@@ -385,11 +404,13 @@ def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
         return "null" if record.get(key) is None else format(record[key], spec)
 
     bar.update(1)
-    bar.set_postfix(reward=show("reward_mean", ".3f"), tok_s=show("tokens_per_second", ".0f"))
+    bar.set_postfix(reward=show("reward_mean", ".3f"), tok_s=show("tokens_per_second", ".0f"),
+                    **{phase: show(f"time_{phase}_s", ".2f") + "s" for phase in BAR_PHASES})
     step = record["step"]
     if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
         print(f"step {step}/{cfg.steps} reward {show('reward_mean', '.3f')} loss {show('loss', '.4f')} "
-              f"grad_norm {show('grad_norm', '.4f')} tokens/s {show('tokens_per_second', '.0f')}", flush=True)
+              f"grad_norm {show('grad_norm', '.4f')} tokens/s {show('tokens_per_second', '.0f')} "
+              + " ".join(f"{phase} {show(f'time_{phase}_s', '.3f')}s" for phase in BAR_PHASES), flush=True)
 
 
 def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext) -> None:

@@ -9,7 +9,8 @@ What must hold, on one tiny config (4 prompts x 4 completions, ragged response l
   ``sequence``, ``group`` and a constant C;
 - the control: ``local`` with ranks sorted by length differs from the (1,1) run by far more than
   rounding, so these comparisons can fail;
-- a run interrupted and resumed from its checkpoint logs exactly the metrics of one that was not.
+- a run interrupted and resumed from its checkpoint logs exactly the metrics of one that was not;
+- every line has the phase times, which add up to the step, with the max over the 2 ranks.
 
 The (1,1) references run the script's ``main()`` in one plain Python process (no torchrun);
 every other run is its own torchrun launch, one after another (12 torchrun launches).
@@ -27,6 +28,8 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm import checkpointing
+from gradnorm.phases import MAX_PHASES, PHASES
+from gradnorm.phases import METRIC_KEYS as PHASE_KEYS
 from gradnorm.train import TIMING_KEYS
 
 pytestmark = pytest.mark.slow
@@ -142,3 +145,15 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(runs):
     again = checkpointing.read_tensors(resumed / "ckpt_step4", "model")
     for name, tensor in final.items():
         assert torch.equal(tensor, again[name]), name
+
+
+def test_two_ranks_log_every_phase_with_the_max_over_ranks(runs):
+    """The phase times of the 2-rank run (gradnorm.phases): present, adding up, max over ranks >= rank 0's."""
+    _, base = runs
+    previous = 0.0
+    for m in metrics(base / "full"):
+        assert set(PHASE_KEYS) <= set(m), m
+        assert sum(m[f"time_{p}_s"] for p in PHASES) == pytest.approx(m["elapsed_s"] - previous, rel=1e-9, abs=1e-9)
+        for p in MAX_PHASES:
+            assert m[f"time_{p}_max_s"] >= m[f"time_{p}_s"] > 0, (p, m)
+        previous = m["elapsed_s"]

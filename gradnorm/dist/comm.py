@@ -1,9 +1,9 @@
 """The process group and its collectives: setup, THE all-reduce of counts, rank-0 printing.
 
 It sets up the process group (NCCL on CUDA, gloo on CPU, chosen automatically), performs the one
-all-reduce of counts per minibatch, reduces logging statistics, gathers the sharded rollouts, and
-prints on rank 0. Every function also works in a plain single process with no process group,
-where a reduction or a gather is the identity.
+all-reduce of counts per minibatch, reduces logging statistics (sums; the max of phase times),
+gathers the sharded rollouts, and prints on rank 0. Every function also works in a plain single
+process with no process group, where a reduction or a gather is the identity.
 """
 
 from __future__ import annotations
@@ -116,6 +116,18 @@ def all_true(flag: bool) -> bool:
     failed = torch.tensor([0 if flag else 1], device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.SUM)
     return int(failed) == 0
+
+
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Max of ``tensor`` over ranks, in place (the trainer's phase times); the identity alone.
+
+    NCCL reduces CUDA tensors only, so a CPU tensor makes a round trip to this rank's GPU there.
+    """
+    if _active():
+        on_device = tensor.cuda() if dist.get_backend() == "nccl" else tensor
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+        tensor.copy_(on_device)
+    return tensor
 
 
 def barrier() -> None:
