@@ -56,6 +56,11 @@ ADVICE = "delete it to resume from an earlier checkpoint, or start over without 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (full disk, permissions...); the earlier ones are intact."""
 
+    def __init__(self, message: str, previous: Path | None):
+        super().__init__(message)
+        self.previous = previous
+        """The latest complete checkpoint, untouched by the failed save (None: there is none)."""
+
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     """Where the checkpoint taken after optimizer step ``step`` lives."""
@@ -110,10 +115,11 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
         if not comm.all_true(error is None):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            what = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
+            what = f"{type(error).__name__}: {_first_line(error, 400)}" if error is not None \
+                else "it failed on another rank"
             kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
             raise CheckpointError(f"could not write checkpoint {final} ({what}); the temporary files are "
-                                  f"removed and {kept}")
+                                  f"removed and {kept}", previous)
     return final
 
 
@@ -233,8 +239,8 @@ def _load_error(path: Path, err: BaseException) -> ValueError:
     return ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {_first_line(err)}); {ADVICE}")
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:160]
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:limit]
 
 
 # ------------------------------------------------------------------ RNG states, as tensors
