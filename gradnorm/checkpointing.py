@@ -56,11 +56,6 @@ ADVICE = "delete it to resume from an earlier checkpoint, or start over without 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (full disk, permissions...); the earlier ones are intact."""
 
-    def __init__(self, message: str, previous: Path | None):
-        super().__init__(message)
-        self.previous = previous
-        """The latest complete checkpoint, untouched by the failed save (None: there is none)."""
-
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     """Where the checkpoint taken after optimizer step ``step`` lives."""
@@ -117,9 +112,14 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
                 shutil.rmtree(tmp, ignore_errors=True)
             what = f"{type(error).__name__}: {_first_line(error, 400)}" if error is not None \
                 else "it failed on another rank"
-            kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+            # the run's files stay (gradnorm.rundir): the way on is --resume, or --overwrite with nothing to resume
+            fixed = "once the cause is fixed (disk space, permissions)"
+            if previous:
+                kept = f"the previous checkpoint {previous} is intact; {fixed}, --resume continues from it"
+            else:
+                kept = f"there is no earlier checkpoint; {fixed}, --overwrite starts the run again"
             raise CheckpointError(f"could not write checkpoint {final} ({what}); the temporary files are "
-                                  f"removed and {kept}", previous)
+                                  f"removed and {kept}")
     return final
 
 

@@ -15,8 +15,6 @@ from types import CodeType
 
 import torch
 
-from gradnorm.checkpointing import CheckpointError
-
 GRACE_S = 30.0
 """How long a rank other than 0 waits before printing an error of its own (``report_error``)."""
 
@@ -61,7 +59,4 @@ def explain(err: BaseException, device: torch.device, step: int | None) -> str:
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
         return f"{where}out of memory on {device} ({first}); {MEMORY_ADVICE}; the checkpoints written so far are intact"
-    if isinstance(err, CheckpointError):  # the run's files are kept: the way on is --resume, or --overwrite
-        then = "--resume continues from it" if err.previous is not None else "--overwrite starts the run again"
-        return f"{where}{err}; once the cause is fixed (disk space, permissions), {then}"
     return where + str(err)
