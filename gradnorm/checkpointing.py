@@ -110,8 +110,14 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
         if not comm.all_true(error is None):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            what = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
-            kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+            what = f"{type(error).__name__}: {_first_line(error, 400)}" if error is not None \
+                else "it failed on another rank"
+            # the run's files stay (gradnorm.rundir): the way on is --resume, or --overwrite with nothing to resume
+            fixed = "once the cause is fixed (disk space, permissions)"
+            if previous:
+                kept = f"the previous checkpoint {previous} is intact; {fixed}, --resume continues from it"
+            else:
+                kept = f"there is no earlier checkpoint; {fixed}, --overwrite starts the run again"
             raise CheckpointError(f"could not write checkpoint {final} ({what}); the temporary files are "
                                   f"removed and {kept}")
     return final
@@ -233,8 +239,8 @@ def _load_error(path: Path, err: BaseException) -> ValueError:
     return ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {_first_line(err)}); {ADVICE}")
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:160]
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:limit]
 
 
 # ------------------------------------------------------------------ RNG states, as tensors

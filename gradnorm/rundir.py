@@ -4,10 +4,12 @@ Rules (rank 0 alone writes; every rank takes the same read-only decisions):
 
 - A fresh run (no --resume) refuses a directory that holds a run (config.json, metrics.jsonl or a
   checkpoint) unless --overwrite is given.
-- --overwrite deletes nothing up front: the old run's files move to ``previous_run/`` and are
-  deleted only once the new run's first checkpoint exists (at its end, or at the next start).
-  If the new run stops before that, its partial files go and the old run moves back; after a
-  crash that left no chance to do so (SIGKILL), the next start refuses with the way out.
+- --overwrite deletes nothing up front: the old run's files and checkpoint directories (torn
+  ``.ckpt_step*.tmp`` ones included) move to ``previous_run/`` and are deleted only once the new run
+  has a complete checkpoint (``checkpointing.latest_checkpoint``: a renamed ``ckpt_step{N}/``, never
+  a ``.tmp``), at its end or at the next start. If the new run stops before that, its partial files
+  go and the old run moves back; after a crash that left no chance to do so (SIGKILL, perhaps
+  mid-save), the next start refuses with the way out.
 - ``.lock`` holds the owner's pid and host. A second run on the directory refuses; a lock whose
   pid is dead on this host is stale (a killed run) and is taken over with a warning.
 - --resume compares the flags that define the run with config.json (``compare_resumed``);
@@ -24,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from gradnorm.checkpointing import latest_checkpoint
 from gradnorm.trainconfig import TrainConfig, changeable_on_resume
 
 LOCK = ".lock"
@@ -32,12 +35,15 @@ RUN_FILES = ("config.json", "metrics.jsonl", "warmup.json", "learning_curve.png"
 
 
 def run_files(out: Path) -> list[Path]:
-    """The files of a run in ``out``: its records and checkpoints (not the lock, not previous_run/)."""
-    return sorted([out / name for name in RUN_FILES if (out / name).exists()] + list(out.glob("ckpt_step*")))
+    """The files of a run in ``out``: its records, its checkpoint directories (old single-file
+    ``ckpt_step*.pt`` ones too) and torn ``.ckpt_step*.tmp`` directories (not the lock, not previous_run/)."""
+    records = [out / name for name in RUN_FILES if (out / name).exists()]
+    return sorted(records + list(out.glob("ckpt_step*")) + list(out.glob(".ckpt_step*.tmp")))
 
 
 def has_checkpoint(out: Path) -> bool:
-    return any(out.glob("ckpt_step*"))
+    """Whether ``out`` holds a complete checkpoint, the one thing that makes a run resumable."""
+    return latest_checkpoint(out) is not None
 
 
 def check(out: Path, resume: bool, overwrite: bool) -> None:
@@ -45,7 +51,7 @@ def check(out: Path, resume: bool, overwrite: bool) -> None:
     stranded = (out / PREVIOUS).is_dir() and not has_checkpoint(out)
     if stranded and not overwrite:
         raise ValueError(f"{out / PREVIOUS} holds the run that an --overwrite replaced, and the replacement "
-                         f"stopped before its first checkpoint: move {PREVIOUS}/'s files back into {out} to keep "
+                         f"stopped before its first checkpoint: move everything in {PREVIOUS}/ back into {out} to keep "
                          "the old run, or give --overwrite again to start over")
     found = run_files(out) if out.is_dir() else []
     if found and not resume and not overwrite:

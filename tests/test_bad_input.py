@@ -65,8 +65,19 @@ def module_of(case: Path) -> str:
     return "rewards_" + case.name.replace("-", "_")
 
 
-def run_with(flags=(), config=None, checkpoint="ckpt_step2.pt", extra=None):
-    """setup: a run directory holding config.json (TrainConfig from ``flags``) and a checkpoint file."""
+def fake_checkpoint(run: Path, name: str) -> None:
+    """``run/name``: with the name ``ckpt_step{N}``, a directory that ``checkpointing.latest_checkpoint``
+    takes for a complete checkpoint (the name is the mark: only the last act of a save gives it);
+    ``.ckpt_step{N}.tmp`` is what a save killed mid-write leaves. Its files are not a checkpoint, so
+    a preflight that read them, instead of refusing on the flags first, would say something else."""
+    path = run / name
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"never read by the preflight")
+    (path / "trainer_state.json").write_text('{"step": "never read by the preflight"}')
+
+
+def run_with(flags=(), config=None, checkpoint="ckpt_step2", extra=None):
+    """setup: a run directory holding config.json (TrainConfig from ``flags``) and a checkpoint directory."""
     def setup(case: Path) -> None:
         run = case / "run"
         run.mkdir()
@@ -78,7 +89,7 @@ def run_with(flags=(), config=None, checkpoint="ckpt_step2.pt", extra=None):
             cfg = TrainConfig(**vars(build_parser().parse_args([*QUICK, *flags, "--output-dir", str(run)])))
             (run / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": 1}))
         if checkpoint:
-            (run / checkpoint).write_bytes(b"a checkpoint")
+            fake_checkpoint(run, checkpoint)
         if extra:
             extra(run)
     return setup
@@ -115,8 +126,10 @@ CASES = {
                                   output_dir=None),
     "output-dir-not-writable": Case([], "is not writable: Permission denied",
                                     setup=lambda case: (case / "ro").mkdir(mode=0o555), output_dir="{case}/ro/run"),
-    "output-dir-holds-a-run": Case([], "holds a run (ckpt_step2.pt, config.json): --resume to continue it, --overwrite",
+    "output-dir-holds-a-run": Case([], "holds a run (ckpt_step2, config.json): --resume to continue it, --overwrite",
                                    setup=run_with()),
+    "output-dir-holds-a-torn-checkpoint": Case([], "holds a run (.ckpt_step2.tmp): --resume to continue it",
+                                               setup=lambda case: fake_checkpoint(case / "run", ".ckpt_step2.tmp")),
     "output-dir-locked": Case(["--resume"], "is in use by another run (pid {pid} on host {host}",
                               setup=run_with(extra=lambda run: (run / ".lock").write_text(json.dumps(
                                   {"pid": os.getpid(), "host": socket.gethostname()})))),
@@ -130,10 +143,17 @@ CASES = {
     "resume-other-accumulation-under-local": Case(
         ["--resume", "--loss-denominator", "local", "--grad-accum-steps", "2"], "--grad-accum-steps 1 -> 2",
         setup=run_with(["--loss-denominator", "local"])),
-    "resume-nothing-to-do": Case(["--resume", "--steps", "2"], "ckpt_step2.pt is at step 2 and --steps is 2",
+    "resume-nothing-to-do": Case(["--resume", "--steps", "2"], "ckpt_step2 is at step 2 and --steps is 2",
                                  setup=run_with()),
+    "resume-latest-checkpoint-by-step": Case(["--resume", "--steps", "10"], "ckpt_step10 is at step 10 and --steps is 10",
+                                             setup=run_with(extra=lambda run: fake_checkpoint(run, "ckpt_step10"))),
     "resume-torn-config": Case(["--resume"], "config.json is unreadable", setup=run_with(config='{"seed": 0,')),
-    "resume-no-checkpoint": Case(["--resume"], "--resume: no checkpoint ckpt_step*.pt in"),
+    "resume-no-checkpoint": Case(["--resume"], "--resume: no complete checkpoint ckpt_step*/ in {case}/run"),
+    "resume-only-a-torn-checkpoint": Case(["--resume"], "--resume: no complete checkpoint ckpt_step*/ in {case}/run",
+                                          setup=run_with(checkpoint=".ckpt_step2.tmp")),
+    "resume-old-single-file-checkpoint": Case(
+        ["--resume"], "no complete checkpoint ckpt_step*/ in {case}/run (its ckpt_step*.pt files are the single-file",
+        setup=run_with(checkpoint=None, extra=lambda run: (run / "ckpt_step2.pt").write_bytes(b"an old checkpoint"))),
     # ---- the environment: a stale shell
     "env-rank-without-master": Case([], "sets RANK=1 but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT", env={"RANK": "1"}),
     "env-leftover-world-size": Case([], "sets WORLD_SIZE=4 but not RANK", env={"WORLD_SIZE": "4"}),

@@ -77,8 +77,9 @@ def test_an_error_in_a_step_is_one_line_with_the_step_and_the_checkpoints_stay(e
     out = tmp_path / "run"
     assert run_main(out, "--steps", "4", "--save-every", "1") == 1
     one_error_line(capsys.readouterr().err, says)
-    assert sorted(p.name for p in out.glob("ckpt_step*")) == ["ckpt_step1.pt", "ckpt_step2.pt"]
-    assert checkpointing.load(out / "ckpt_step2.pt", required=checkpointing.TRAINER_KEYS)["step"] == 2
+    assert sorted(p.name for p in out.iterdir() if "ckpt" in p.name) == ["ckpt_step1", "ckpt_step2"]  # no .tmp
+    assert checkpointing.read_run_state(out / "ckpt_step2", required=train_module.RUN_FIELDS)["step"] == 2
+    assert checkpointing.read_tensors(out / "ckpt_step2", "model")  # complete: its tensors load
     assert not (out / ".lock").exists()
 
 
@@ -170,31 +171,38 @@ def test_resume_recreates_missing_metrics_and_records_what_changed(tmp_path, cap
 def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     assert run_main(out, "--steps", "2") == 0
-    old = (out / "ckpt_step2.pt").read_bytes()
+    old = checkpointing.read_tensors(out / "ckpt_step2", "model")
     seen = rollout_raises(monkeypatch, 99, ValueError("never"), watch=out)
     assert run_main(out, "--steps", "2", "--seed", "5", "--save-every", "1", "--overwrite") == 0
     assert "the previous run in" in capsys.readouterr().err
     # The old run, whole, was set aside until the new run had finished (and so had checkpoints).
-    old_run = ["ckpt_step2.pt", "config.json", "metrics.jsonl", "warmup.json"]
+    old_run = ["ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]
     assert [step for step, _, _ in seen] == [1, 2]
     assert seen[0][1] == [".lock", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
-    assert seen[1][1] == [".lock", "ckpt_step1.pt", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
+    assert seen[1][1] == [".lock", "ckpt_step1", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
     assert seen[0][2] == seen[1][2] == old_run
-    assert sorted(os.listdir(out)) == ["ckpt_step1.pt", "ckpt_step2.pt", "config.json", "metrics.jsonl", "warmup.json"]
-    assert (out / "ckpt_step2.pt").read_bytes() != old
+    assert sorted(os.listdir(out)) == ["ckpt_step1", "ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]
+    new = checkpointing.read_tensors(out / "ckpt_step2", "model")  # the new run's, not the old one kept
+    assert new.keys() == old.keys() and any(not torch.equal(new[k], old[k]) for k in old)
     assert json.loads((out / "config.json").read_text())["seed"] == 5
 
 
 def test_overwrite_that_fails_before_a_checkpoint_puts_the_old_run_back(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     assert run_main(out, "--steps", "2") == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = every_file(out)
+    assert "ckpt_step2/.metadata" in before  # the checkpoint directory's files are compared too
     rollout_raises(monkeypatch, 1, ValueError("boom"))
     assert run_main(out, "--steps", "2", "--seed", "5", "--overwrite") == 1
     err = capsys.readouterr().err
     one_error_line(err, "error: step 1: boom")
     assert "the previous run is back in" in err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert every_file(out) == before
+
+
+def every_file(directory: Path) -> dict[str, bytes]:
+    """{path relative to ``directory``: bytes} of every file under it, in checkpoint directories too."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
 def test_a_stale_lock_is_taken_over_with_a_warning_and_a_live_one_is_not(tmp_path, capsys):
@@ -328,10 +336,12 @@ def test_under_torchrun_rank_0s_error_line_comes_first(kind, tmp_path):
     out = tmp_path / "run"
     if kind == "indivisible-batch":  # found by every rank before the process group exists
         proc, says = torchrun(out, "--prompts-per-step", "3", "--group-size", "3"), "cannot be split over 2 ranks"
-    else:  # found by every rank inside train(), after the process group exists
-        out.mkdir()
-        (out / "ckpt_step1.pt").write_text("not a checkpoint")
-        proc, says = torchrun(out, "--steps", "2", "--resume"), "ckpt_step1.pt"
+    else:  # found by every rank inside train(), after the process group exists, reading the checkpoint
+        (out / "ckpt_step1").mkdir(parents=True)
+        run = {"step": 1, "warmup": {}, "elapsed_s": 0.0, "skipped": 0, "in_a_row": 0}
+        (out / "ckpt_step1" / "trainer_state.json").write_text(json.dumps(run))
+        (out / "ckpt_step1" / ".metadata").write_text("not a checkpoint")
+        proc, says = torchrun(out, "--steps", "2", "--resume"), "ckpt_step1 is truncated or corrupt (.metadata:"
     assert proc.returncode != 0
     first = proc.stderr.splitlines()[0]
     assert first.startswith("error: ") and says in first, proc.stderr

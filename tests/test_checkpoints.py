@@ -88,8 +88,9 @@ def test_an_io_error_while_saving_is_one_line_and_keeps_the_previous_checkpoint(
     fault(monkeypatch, step=2)
     assert main([*TINY, "--output-dir", str(out), "--steps", "3", "--save-every", "1"]) == 1
     err = capsys.readouterr().err
-    one_error_line(err, f"could not write checkpoint {out / 'ckpt_step2'}")
-    assert says in err and f"the previous checkpoint {out / 'ckpt_step1'} is intact" in err
+    one_error_line(err, f"error: step 2: could not write checkpoint {out / 'ckpt_step2'} (")
+    assert says in err and f"the previous checkpoint {out / 'ckpt_step1'} is intact; once the cause is fixed " \
+        "(disk space, permissions), --resume continues from it" in err
     assert sorted(p.name for p in out.iterdir() if "ckpt" in p.name) == ["ckpt_step1"]  # no temporary directory
     assert [m["step"] for m in metrics(out)] == [1, 2]  # step 2 was logged; the run stopped at its checkpoint
     monkeypatch.undo()
@@ -117,9 +118,14 @@ def test_a_resumed_run_restores_the_reference_policy_and_the_optimizer(tmp_path)
 
 
 def test_resuming_with_a_reference_policy_the_checkpoint_lacks_is_one_line(tmp_path, capsys):
-    out = tmp_path / "run"
+    """--beta defines the run: the preflight refuses the change against config.json (exit 2, nothing
+    loaded); without a config.json (flags not compared) the checkpoint itself refuses (exit 1)."""
+    out, resume = tmp_path / "run", [*TINY, "--output-dir", str(tmp_path / "run"), "--steps", "2", "--resume"]
     assert main([*TINY, "--output-dir", str(out), "--steps", "1"]) == 0
-    assert main([*TINY, "--output-dir", str(out), "--steps", "2", "--beta", "0.05", "--resume"]) == 1
+    assert main([*resume, "--beta", "0.05"]) == 2
+    one_error_line(capsys.readouterr().err, "config.json: --beta 0.0 -> 0.05; resume with the run's values")
+    (out / "config.json").unlink()
+    assert main([*resume, "--beta", "0.05"]) == 1
     one_error_line(capsys.readouterr().err, "holds no reference policy (it was written with --beta 0); resume with --beta 0")
 
 
