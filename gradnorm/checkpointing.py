@@ -72,12 +72,6 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def remove_all(output_dir: str | Path) -> None:
-    """Delete every checkpoint and temporary checkpoint in ``output_dir`` (a fresh run's start)."""
-    for path in [*Path(output_dir).glob("ckpt_step*"), *Path(output_dir).glob(".ckpt_step*.tmp")]:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
 # ------------------------------------------------------------------ save
 
 

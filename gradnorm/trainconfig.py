@@ -151,7 +151,7 @@ class TrainConfig:
     and each change is recorded in config.json's history."""
     overwrite: bool = False
     """Start a fresh run in an output-dir that holds another run. Its files are moved to
-    output-dir/previous_run/ and deleted once this run's first checkpoint exists (moved back if
+    output-dir/previous_run/ and deleted once this run's first complete checkpoint exists (moved back if
     this run stops before that); without --overwrite or --resume such a directory is refused."""
     export_hf: str = "auto"
     """Where a Hugging Face --model is saved at the end with save_pretrained (safetensors and its
