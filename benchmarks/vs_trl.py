@@ -51,7 +51,8 @@ def trl_worker(model_dir: str, steps: int, out: str) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from gradnorm.prompts import exact_match_math, load_prompts
+    from gradnorm.prompts import load_prompts
+    from gradnorm.rewards import exact_match_math
 
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", 1))

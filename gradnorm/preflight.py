@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from gradnorm.prompts import get_reward, load_prompts
+from gradnorm.prompts import load_prompts
+from gradnorm.rewards import get_reward
 from gradnorm.trainconfig import TrainConfig
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

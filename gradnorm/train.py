@@ -403,14 +403,15 @@ def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
     def show(key: str, spec: str) -> str:
         return "null" if record.get(key) is None else format(record[key], spec)
 
+    timed = [p for p in BAR_PHASES if record.get(f"time_{p}_s") is not None]  # where the step's time went
     bar.update(1)
     bar.set_postfix(reward=show("reward_mean", ".3f"), tok_s=show("tokens_per_second", ".0f"),
-                    **{phase: show(f"time_{phase}_s", ".2f") + "s" for phase in BAR_PHASES})
+                    **{p: show(f"time_{p}_s", ".2f") + "s" for p in timed})
     step = record["step"]
     if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
-        print(f"step {step}/{cfg.steps} reward {show('reward_mean', '.3f')} loss {show('loss', '.4f')} "
-              f"grad_norm {show('grad_norm', '.4f')} tokens/s {show('tokens_per_second', '.0f')} "
-              + " ".join(f"{phase} {show(f'time_{phase}_s', '.3f')}s" for phase in BAR_PHASES), flush=True)
+        print(" ".join([f"step {step}/{cfg.steps} reward {show('reward_mean', '.3f')} loss {show('loss', '.4f')} "
+                        f"grad_norm {show('grad_norm', '.4f')} tokens/s {show('tokens_per_second', '.0f')}",
+                        *(f"{p} {show(f'time_{p}_s', '.3f')}s" for p in timed)]), flush=True)
 
 
 def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from gradnorm import checkpointing, memory, preflight
 from gradnorm import train as train_module
-from gradnorm.prompts import RewardError, call_reward
+from gradnorm.rewards import RewardError, call_reward
 from gradnorm.rundir import RunDir
 from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import GPTConfig, TinyGPT

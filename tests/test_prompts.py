@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.prompts import PromptTask, exact_match_math, extract_answer, get_reward, load_prompts
+from gradnorm.prompts import PromptTask, load_prompts
+from gradnorm.rewards import exact_match_math, extract_answer, get_reward
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.jsonl"
 
