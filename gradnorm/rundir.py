@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from gradnorm.checkpointing import latest_checkpoint
-from gradnorm.trainconfig import TrainConfig, changeable_on_resume
+from gradnorm.flagrules import changeable_on_resume
+from gradnorm.trainconfig import TrainConfig
 
 LOCK = ".lock"
 PREVIOUS = "previous_run"

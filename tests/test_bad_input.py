@@ -285,7 +285,7 @@ def test_the_command_line_says_the_same_in_one_line(name, cli_results):
 def test_every_numeric_flag_has_a_range_and_the_table_checks_the_ones_the_audit_broke():
     from typing import get_type_hints
 
-    from gradnorm.trainconfig import BOUNDS
+    from gradnorm.flagrules import BOUNDS
 
     numeric = {name for name, kind in get_type_hints(TrainConfig).items() if kind in (int, float)}
     assert set(BOUNDS) == numeric

@@ -24,7 +24,8 @@ from gradnorm.rundir import RunDir
 from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import GPTConfig, TinyGPT
 from gradnorm.train import main, open_metrics, write_record
-from gradnorm.trainconfig import CHANGEABLE_ON_RESUME, TrainConfig, field_docs, parse_config
+from gradnorm.flagrules import CHANGEABLE_ON_RESUME
+from gradnorm.trainconfig import TrainConfig, field_docs, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "--eval-prompts", "2",
