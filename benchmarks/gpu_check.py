@@ -101,7 +101,7 @@ def launch(nproc: int, out: Path, flags: list[str], device: str, steps: int) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "gradnorm/train.py", "--steps", str(steps), "--save-every", "0", "--warmup-steps", "0",
            "--eval-prompts", "8", "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "64",
-           "--no-plot", "--device", device, "--output-dir", str(out), *flags]
+           "--no-plot", "--device", device, "--output-dir", str(out), "--overwrite", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -116,7 +116,7 @@ def _torchrun(world_size: int, *args: str) -> list[str]:
 def run_gradnorm(model_dir: Path, world_size: int, steps: int, work: Path) -> list[dict]:
     out = work / f"gradnorm-w{world_size}"
     _run(_torchrun(world_size, "gradnorm/train.py", "--model", str(model_dir), "--steps", str(steps),
-                   "--output-dir", str(out), *GRADNORM_FLAGS))
+                   "--output-dir", str(out), "--overwrite", *GRADNORM_FLAGS))  # each round replaces the last
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     previous = [0.0] + [r["elapsed_s"] for r in rows]
     return [{"step_s": r["elapsed_s"] - p, "rollout_s": r["time_rollout_s"], "tokens": r["tokens"]}

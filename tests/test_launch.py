@@ -36,6 +36,6 @@ def test_train_run_launches_that_command_and_reports_a_failure(monkeypatch, tmp_
         launch.train_run(tmp_path, loss_denominator="local", shard="balanced", steps=5)
     assert seen["cmd"] == launch.torchrun_command(
         2, "--loss-denominator", "local", "--shard", "balanced", "--grad-accum-steps", "2", "--steps", "5",
-        "--seed", "0", "--output-dir", str(tmp_path), "--no-plot", "--save-every", "0")
+        "--seed", "0", "--output-dir", str(tmp_path), "--overwrite", "--no-plot", "--save-every", "0")
     assert seen["env"]["OMP_NUM_THREADS"] == "1"
     assert "the trainer's last words" in str(err.value)

@@ -46,7 +46,7 @@ def train_run(
     cmd = torchrun_command(
         nproc_per_node, "--loss-denominator", str(loss_denominator), "--shard", shard,
         "--grad-accum-steps", str(grad_accum_steps), "--steps", str(steps), "--seed", str(seed),
-        "--output-dir", str(output_dir), *extra_args,
+        "--output-dir", str(output_dir), "--overwrite", *extra_args,  # a rerun replaces its own run
     )
     start = time.perf_counter()
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
