@@ -39,6 +39,9 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
  5. Log and checkpoint. One more all-reduce of 6 float64 sums (J, tokens, pg loss, KL, clipped tokens, entropy)
     makes every logged statistic a global, token-weighted value comparable across W and A. It is a
     logging collective, the same in every mode, separate from the normalization's count all-reduce.
+    It also carries each rank's stop vote: after SIGTERM or SIGINT (to torchrun or to any one
+    rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a second
+    signal exits at once (gradnorm.preemption).
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
@@ -81,9 +84,9 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, hfmodels
+from gradnorm import checkpointing, hfmodels, preemption
 from gradnorm.dist import comm, wrap
-from gradnorm.grpo import finalize_stats, grpo_token_losses
+from gradnorm.grpo import NUM_STATS, finalize_stats, grpo_token_losses
 from gradnorm.prompts import PromptTask
 from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
 from gradnorm.sharding import make_plan, tokens_per_rank
@@ -279,7 +282,9 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         # 4. Step: clip the global norm; skip the update on every rank if anything is non-finite.
         grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
-        stats = finalize_stats(comm.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
+        # The logging collective; its tail carries the ranks' stop votes (gradnorm.preemption).
+        reduced = comm.all_reduce_sum(torch.cat([sums, preemption.votes(sums)])).cpu()
+        stats = finalize_stats(reduced[:NUM_STATS], with_kl=cfg.beta > 0)
         apply_or_skip(opt, grad_norm, stats, run, step, cfg)
 
         # 5. Log (rank 0) and checkpoint.
@@ -291,8 +296,11 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         run.step, run.elapsed_s = step, record["elapsed_s"]
         if ctx.is_main:
             write_record(metrics, bar, record, cfg)
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        stop = preemption.agreed(reduced[NUM_STATS:]) if step % U == 0 else None  # only between rollouts
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop:
             save_checkpoint(out, model, opt, ref, run, ctx)
+        if stop and step < cfg.steps:
+            raise preemption.Stopped(stop, step, checkpointing.checkpoint_path(out, step))
         if run.in_a_row >= cfg.max_skipped_steps:
             raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                 "the weights are unchanged since step " f"{step - run.in_a_row}: lower --lr or "
@@ -397,13 +405,18 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.is_main:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
+    except preemption.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
+        if ctx.is_main:
+            print(stopped, file=sys.stderr, flush=True)
+        return stopped.exit_code
     finally:
         comm.teardown()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
+    with preemption.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
+        code = main()
     if comm.launched_by_torchrun():
         # Skip interpreter finalization under torchrun. A gloo worker thread may still be dropping
         # the last collective's tensors, which takes the GIL; during finalization that aborts the
