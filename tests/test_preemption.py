@@ -167,6 +167,30 @@ def test_ctrl_c_on_plain_python_checkpoints_and_exits_130_without_a_traceback(tm
     assert comparable(stopped) == comparable(full)
 
 
+def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monkeypatch, capsys):
+    """U = 2 updates per rollout: a checkpoint between them could not be resumed exactly (the rollout is not saved)."""
+    from gradnorm import train as train_module
+
+    honest = train_module.write_record
+
+    def signal_at_step_2(metrics_file, bar, record, cfg):
+        honest(metrics_file, bar, record, cfg)
+        if record["step"] == 2:  # step 3 (the first update of the 2nd rollout) carries the vote
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for(lambda: preemption.requested() is not None)
+
+    flags = [*TINY, "--steps", "8", "--minibatches-per-rollout", "2"]
+    stopped, full = tmp_path / "stopped", tmp_path / "full"
+    monkeypatch.setattr(train_module, "write_record", signal_at_step_2)
+    with preemption.catch_signals():
+        assert main([*flags, "--output-dir", str(stopped)]) == 143
+    assert assert_stopped_cleanly(stopped, capsys.readouterr().err, "SIGTERM") == 4
+    monkeypatch.undo()
+    assert main([*flags, "--output-dir", str(stopped), "--resume"]) == 0
+    assert main([*flags, "--output-dir", str(full)]) == 0
+    assert comparable(stopped) == comparable(full)
+
+
 def torchrun_cmd(out: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "gradnorm/train.py",
             *TINY, "--steps", str(STEPS), "--output-dir", str(out), *flags]
