@@ -219,6 +219,9 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     if cfg.beta > 0:  # the frozen reference: the policy after warm-up
         ref = copy.deepcopy(model).requires_grad_(False).eval()
         if ckpt is not None:
+            if "ref_model" not in ckpt:
+                raise ValueError(f"checkpoint {ckpt_path} holds no reference policy (it was trained with --beta 0); "
+                                 "resume it with --beta 0")
             ref.load_state_dict(ckpt["ref_model"])
     # What the training forward goes through: DDP around the model, or the model itself (FSDP2
     # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
