@@ -9,7 +9,7 @@ plain ``python`` path in this process (no process group, no wrapper); W = 2 is t
 ranks under DDP and under FSDP2.
 
 The oracle is one process, the whole batch, float64, and weights computed by loops over the
-response lengths (1/N, 1/(S_tok * |o_i|), 1/(Ga * N_g), 1/C, and for ``local``
+response lengths (tests/longhand.py: 1/N, 1/(S_tok * |o_i|), 1/(Ga * N_g), 1/C, and for ``local``
 1/(W * A * N[r, m])), never by gradnorm's weight functions. What must hold: the trainer's flat
 gradient equals the oracle's to fp32 rounding in every mode, for every (W, A, sharding); the
 control: ``local`` under length sharding is far from the token oracle (and on its own formula).
@@ -27,6 +27,7 @@ from gradnorm.sharding import make_plan
 from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs
 from gradnorm.update import accumulate_gradients
+from longhand import longhand_weights  # tests/longhand.py
 
 BETA, CONSTANT = 0.04, 333.0
 MODES = ["token", "sequence", "group", CONSTANT, "local"]
@@ -79,39 +80,12 @@ def spawned_ranks(ctx: comm.DistContext) -> dict:
 # ------------------------------------------------------------------ the longhand oracle
 
 
-def longhand_weights(denominator, lengths: list[int], groups: list[int], plan) -> list[float]:
-    """The weight of every token of sequence i in J, from the response lengths alone (loops, no library)."""
-    n = len(lengths)
-    if denominator == "token":
-        total = sum(lengths)
-        return [1.0 / total] * n
-    if denominator == "sequence":  # S_tok: sequences that have at least one token
-        with_a_token = sum(1 for length in lengths if length > 0)
-        return [1.0 / (with_a_token * length) if length else 0.0 for length in lengths]
-    if denominator == "group":
-        group_tokens = {}
-        for length, g in zip(lengths, groups):
-            group_tokens[g] = group_tokens.get(g, 0) + length
-        active = sum(1 for tokens in group_tokens.values() if tokens > 0)
-        return [1.0 / (active * group_tokens[g]) if group_tokens[g] else 0.0 for g in groups]
-    if denominator == "local":
-        world_size, accum_steps = len(plan), len(plan[0])
-        weights = [0.0] * n
-        for rank in plan:
-            for mb in rank:
-                mb_tokens = sum(lengths[i] for i in mb.tolist())
-                for i in mb.tolist():
-                    weights[i] = 1.0 / (world_size * accum_steps * mb_tokens)
-        return weights
-    return [1.0 / denominator] * n  # a constant C
-
-
-def oracle_gradient(denominator, world_size, accum_steps, shard, weights_fn=longhand_weights) -> torch.Tensor:
+def oracle_gradient(denominator, world_size, accum_steps, shard) -> torch.Tensor:
     """dJ/dtheta, J = sum_i w_i sum_t l[i, t] M[i, t] over the whole batch at once, in float64."""
     model, rollout, old_logp, ref_logp = make_batch(torch.float64)
     lengths, groups = rollout.lengths.tolist(), rollout.group_ids.tolist()
     plan = make_plan(shard, rollout.lengths, world_size, accum_steps)
-    w = torch.tensor(weights_fn(denominator, lengths, groups, plan), dtype=torch.float64)
+    w = torch.tensor(longhand_weights(denominator, lengths, groups, plan), dtype=torch.float64)
     loss = per_token_loss(model, rollout, old_logp, ref_logp, torch.arange(len(lengths))).loss
     objective = (w.unsqueeze(-1) * torch.where(rollout.mask, loss, 0.0)).sum()
     objective.backward()
