@@ -17,6 +17,11 @@ Rollout reuse (``--minibatches-per-rollout 2 --epochs 2``: 4 updates per rollout
 - the gradient norm of every step is the same for (W, A) = (1, 1) and (2, 2) sorted by length
   under ``token``; the control: ``local`` departs at every step.
 
+The remaining flags that no other test changes, in one run of 2 steps: bf16 autocast on the CPU
+(another step-1 gradient than fp32), ``--kl-estimator k2`` (another KL than k3 once the policy
+moved), ``--save-every 0`` (a checkpoint at the end only), ``--log-every``, ``--plot``,
+``--cpu-threads``, and the optimizer, clip, warm-up and sampling values (they reach config.json).
+
 The (1, 1) runs are ``main()`` in this process; every other run is a torchrun launch (6).
 """
 
@@ -193,3 +198,41 @@ def test_reused_rollouts_keep_token_invariant_and_local_departs(reuse_runs):
         for key in ("grad_norm", "loss"):
             assert_close(b[key], a[key], rtol=1e-5, atol=1e-8, msg=f"step {a['step']} {key}")
         assert departs(c["grad_norm"], a["grad_norm"]), a["step"]
+
+
+# ------------------------------------------------------------------ the remaining flags, each taking effect
+
+EVERY_FLAG = ["--steps", "2", "--precision", "bf16", "--beta", "0.05", "--kl-estimator", "k2",
+              "--no-scale-adv-by-std", "--weight-decay", "0.01", "--save-every", "0", "--cpu-threads", "2",
+              "--warmup-batch", "8", "--warmup-lr", "1e-3", "--temperature", "0.7", "--clip-low", "0.1",
+              "--clip-high", "0.1", "--max-grad-norm", "0.5", "--log-every", "1", "--plot", "--device", "cpu"]
+
+
+def test_the_flags_no_other_test_changes_take_effect(tmp_path, capsys):
+    """bf16 autocast on the CPU, the k2 estimator, save-every 0, the log lines and the curve, threads."""
+    pytest.importorskip("matplotlib")
+    runs = {}
+    try:
+        for name, extra in [("all", []), ("fp32", ["--precision", "fp32"]), ("k3", ["--kl-estimator", "k3"])]:
+            capsys.readouterr()
+            one_process(tmp_path / name, *EVERY_FLAG, *extra)
+            runs[name] = (metrics(tmp_path / name), capsys.readouterr().out)
+            assert torch.get_num_threads() == 2  # --cpu-threads
+    finally:
+        torch.set_num_threads(1)
+    rows, out = runs["all"]
+    out_dir = tmp_path / "all"
+    assert [m["step"] for m in rows] == [1, 2] and all(m["grad_norm"] > 0 for m in rows)
+    assert sorted(p.name for p in out_dir.glob("ckpt_step*.pt")) == ["ckpt_step2.pt"]  # --save-every 0: the end only
+    assert (out_dir / "learning_curve.png").stat().st_size > 0  # --plot
+    assert "step 1/2 " in out and "step 2/2 " in out  # --log-every 1 (no terminal here, so no progress bar)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert (config["precision"], config["kl_estimator"], config["save_every"]) == ("bf16", "k2", 0)
+    # bf16 matmuls round differently from fp32 ones: the same run in fp32 has another step-1 gradient
+    # (not another loss: on-policy, the ratio is exactly 1 and J does not depend on the log-probs).
+    fp32 = runs["fp32"][0]
+    assert fp32[0]["grad_norm"] != rows[0]["grad_norm"]
+    # k2 and k3 agree where the policy is the reference (step 1) and differ once it moved (step 2).
+    k3 = runs["k3"][0]
+    assert k3[0] == {**rows[0], **{k: k3[0][k] for k in TIMING_KEYS if k in k3[0]}}
+    assert k3[1]["kl"] > 0 and rows[1]["kl"] > 0 and k3[1]["kl"] != rows[1]["kl"]
