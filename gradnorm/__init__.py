@@ -21,7 +21,8 @@ Distributed shell and the step
 
 Trainer
 - ``train``, ``trainconfig``, ``rollout``, ``sampling``, ``tinygpt``, ``tasks``, ``hfmodels``,
-  ``prompts``, ``checkpointing``: ``torchrun gradnorm/train.py`` and what it is built from
+  ``prompts``, ``checkpointing``, ``preemption``: ``torchrun gradnorm/train.py`` and what it is
+  built from
 
 Teaching (notebooks and figures)
 - ``plotting``, ``widgets``, ``curves``, ``worked_example`` and the data modules they draw
