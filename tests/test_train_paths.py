@@ -236,3 +236,13 @@ def test_the_flags_no_other_test_changes_take_effect(tmp_path, capsys):
     k3 = runs["k3"][0]
     assert k3[0] == {**rows[0], **{k: k3[0][k] for k in TIMING_KEYS if k in k3[0]}}
     assert k3[1]["kl"] > 0 and rows[1]["kl"] > 0 and k3[1]["kl"] != rows[1]["kl"]
+
+
+def test_a_fresh_run_in_an_old_output_dir_drops_the_old_checkpoints(tmp_path):
+    """Without --resume the directory starts over, so a later --resume can never mix two runs."""
+    out = tmp_path / "run"
+    one_process(out, "--steps", "2", "--save-every", "1")
+    one_process(out, "--steps", "1")
+    assert sorted(p.name for p in out.glob("ckpt_step*.pt")) == ["ckpt_step1.pt"]
+    assert [m["step"] for m in metrics(out)] == [1]
+    assert checkpointing.load(out / "ckpt_step1.pt")["step"] == 1
