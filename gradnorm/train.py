@@ -76,6 +76,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C while torch imports: exit 130 quietly (preemption takes over in main)
+    import signal
+
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+
 try:  # run as a script, sys.path[0] is gradnorm/; a plain checkout has no installed package
     import gradnorm  # noqa: F401
 except ImportError:

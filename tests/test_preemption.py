@@ -191,6 +191,23 @@ def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monk
     assert comparable(stopped) == comparable(full)
 
 
+def test_ctrl_c_while_the_script_still_imports_torch_exits_130_without_a_traceback(tmp_path):
+    proc = start([sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(tmp_path / "run")])
+    try:
+        maps = Path(f"/proc/{proc.pid}/maps")
+        deadline = time.monotonic() + 60
+        while "libtorch" not in maps.read_text():  # inside `import torch`, so past the script's first lines
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and err == "" and out == "", err
+
+
 def torchrun_cmd(out: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "gradnorm/train.py",
             *TINY, "--steps", str(STEPS), "--output-dir", str(out), *flags]
