@@ -22,7 +22,9 @@ Distributed shell and the step
 
 Trainer
 - ``train``, ``trainconfig``, ``rollout``, ``sampling``, ``tinygpt``, ``tasks``, ``hfmodels``,
-  ``prompts``, ``checkpointing``, ``export``: ``torchrun gradnorm/train.py`` and what it is built from
+  ``prompts``, ``rewards``, ``checkpointing``, ``export``, ``preemption``, ``preflight``, ``rundir``,
+  ``memory``, ``failures``, ``flagrules``, ``scoring``, ``phases``: ``torchrun gradnorm/train.py``
+  and what it is built from
 
 Teaching (notebooks and figures)
 - ``modes``         the notebooks' mode names: the core's modes plus Dr GRPO's "constant"

@@ -10,12 +10,26 @@ ranks, A microbatches per rank and the counts of the whole minibatch B (all rank
     mode        w[i, t] (the weight in J)            what it means
     local       1 / (W * A * N[r, m])                mean of per-microbatch means (the old bug)
     token       1 / N                                mean over every token of B
-    sequence    1 / (S * |o_i|)                      mean over sequences of per-sequence means
+    sequence    1 / (S_tok * |o_i|)                  mean over sequences of per-sequence means
     group       1 / (Ga * N_g(i))                    mean over prompt groups of per-group means
     C > 0       1 / C                                sum over B divided by a constant (Dr GRPO)
 
 N = tokens in B, N[r, m] = tokens in microbatch m of rank r, |o_i| = tokens of sequence i,
-S = sequences of B with at least one token, N_g = tokens of group g, Ga = groups with a token.
+S_tok = sequences of B with at least one token, N_g = tokens of group g, Ga = groups with a token.
+
+Two counts of sequences, kept apart. S is every sequence of B (prompts-per-step * group-size, the
+S of every (S, T) shape): Dr GRPO's constant C = S * max_new_tokens counts it, and it is what
+the GRPO papers and TRL average per-sequence means over. S_tok counts only the sequences with at
+least one token in the mask used for the loss, and is what ``sequence`` divides by: a sequence
+without tokens has no per-sequence mean (0/0) and adds nothing to the sum, so counting it would
+shrink every other sequence's weight by S_tok/S, a factor set by how many responses the batch
+happened to mask out entirely (DAPO's overlong filtering, say), not by anything to learn from.
+Whenever every response has a token the two agree, and the trainer guarantees it (the EOS
+counts), so there ``sequence`` is the paper's GRPO exactly. TRL's ``grpo`` loss takes the mean of
+per-sequence means over the sequences of each device's microbatch (``clamp(min=1)`` makes an
+empty one count as 0 in the sum and 1 in the denominator), divides by A, and lets DDP average
+over W: a weight of 1 / (W * A * S_mb * |o_i|), which is 1 / (S * |o_i|) only when every
+microbatch holds S / (W * A) sequences.
 
 Only ``local`` depends on where a sequence landed (through N[r, m]); every other weight is a
 function of the minibatch alone, which is why those modes are invariant to W, A and sharding.
@@ -75,12 +89,12 @@ def count_tokens(lengths: Tensor, group_ids: Tensor, num_groups: int) -> Tensor:
 
     ``lengths`` (n,) are the response-token counts |o_i| of the rank's sequences, taken from the
     mask actually used for the loss; ``group_ids`` (n,) are their global prompt-group indices.
-    Returns int64 ``[N, S, N_0, ..., N_{G-1}]``. Counts add up, so summing this vector over ranks
+    Returns int64 ``[N, S_tok, N_0, ..., N_{G-1}]``. Counts add up, so summing this vector over ranks
     (one all-reduce) yields the counts of the whole minibatch.
     """
     lengths = lengths.to(torch.int64)
     tokens = lengths.sum().reshape(1)  # N
-    sequences = (lengths > 0).sum().reshape(1)  # S: sequences with at least one token
+    sequences = (lengths > 0).sum().reshape(1)  # S_tok: sequences with at least one token
     group_tokens = torch.zeros(num_groups, dtype=torch.int64, device=lengths.device)
     group_tokens.index_add_(0, group_ids.to(torch.int64), lengths)  # N_g
     return torch.cat([tokens, sequences, group_tokens])
@@ -99,7 +113,7 @@ class Counts:
     tokens: int
     """N: response tokens in B."""
     sequences: int
-    """S: sequences of B with at least one response token."""
+    """S_tok: sequences of B with at least one response token (not every sequence of B, S)."""
     group_tokens: Tensor
     """N_g, shape (num_groups,), int64: response tokens of each prompt group in B."""
 
@@ -143,7 +157,7 @@ def _token(mb_mask, mb_groups, counts, world_size, accum_steps, dtype):
 
 def _sequence(mb_mask, mb_groups, counts, world_size, accum_steps, dtype):
     seq_tokens = mb_mask.sum(-1, keepdim=True).to(torch.int64)  # (n, 1) |o_i|
-    return _weight(mb_mask, counts.sequences * seq_tokens, dtype)
+    return _weight(mb_mask, counts.sequences * seq_tokens, dtype)  # S_tok * |o_i| (S_tok, not S: see above)
 
 
 def _group(mb_mask, mb_groups, counts, world_size, accum_steps, dtype):
@@ -175,7 +189,7 @@ def token_weights(
     ``mb_mask`` (n, T) is the microbatch's response mask, ``mb_group_ids`` (n,) its sequences'
     global group indices, ``counts`` the global counts (``None`` is allowed for ``local``, the
     only mode that needs none). W and A are used by ``local`` alone: no other mode divides by A,
-    because N, S, N_g and Ga already cover every microbatch of every rank.
+    because N, S_tok, N_g and Ga already cover every microbatch of every rank.
     """
     if isinstance(denominator, str):
         fn = WEIGHT_FNS[denominator]

@@ -50,6 +50,9 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     logging collective, the same in every mode, separate from the normalization's count all-reduce.
     A last tiny one (MAX of 3 floats) gives the slowest rank's phase times: where a step's time goes
     (``gradnorm.phases``: time_rollout_s, time_forward_backward_s, ...) is logged every step.
+    It also carries each rank's stop vote: after SIGTERM or SIGINT (to torchrun or to any one
+    rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a second
+    signal exits at once (gradnorm.preemption).
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
@@ -85,6 +88,11 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+if __name__ == "__main__":  # Ctrl-C while torch imports: exit 130 quietly (preemption takes over in main)
+    import signal
+
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+
 try:  # run as a script, sys.path[0] is gradnorm/; a plain checkout has no installed package
     import gradnorm  # noqa: F401
 except ImportError:
@@ -93,10 +101,10 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, export, failures, hfmodels, memory, phases, preflight, rundir
+from gradnorm import checkpointing, export, failures, hfmodels, memory, phases, preemption, preflight, rundir
 from gradnorm.dist import comm, wrap
 from gradnorm.dist import state as dist_state
-from gradnorm.grpo import finalize_stats, grpo_token_losses
+from gradnorm.grpo import NUM_STATS, finalize_stats, grpo_token_losses
 from gradnorm.prompts import PromptTask
 from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
 from gradnorm.scoring import score_by_length
@@ -326,7 +334,9 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         # 4. Step: clip the global norm; skip the update on every rank if anything is non-finite.
         grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
-        stats = finalize_stats(comm.all_reduce_sum(sums).cpu(), with_kl=cfg.beta > 0)  # logging collective
+        # The logging collective; its tail carries the ranks' stop votes (gradnorm.preemption).
+        reduced = comm.all_reduce_sum(torch.cat([sums, preemption.votes(sums)])).cpu()
+        stats = finalize_stats(reduced[:NUM_STATS], with_kl=cfg.beta > 0)
         apply_or_skip(opt, grad_norm, stats, run, step, cfg)
         timer.lap("optimizer")
 
@@ -342,9 +352,12 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         if ctx.is_main:
             write_record(metrics, bar, record, cfg)
         timer.lap("log")
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        stop = preemption.agreed(reduced[NUM_STATS:]) if step % U == 0 else None  # only between rollouts
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop:
             save_checkpoint(out, model, opt, ref, run, ctx)
         timer.lap("checkpoint")
+        if stop and step < cfg.steps:
+            raise preemption.Stopped(stop, step, checkpointing.checkpoint_dir(out, step))
         if run.in_a_row >= cfg.max_skipped_steps:
             raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                 "the weights are unchanged since step " f"{step - run.in_a_row}: lower --lr or "
@@ -480,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
             step = None if isinstance(err, TrainingError) else failures.failed_step(err, train.__code__)  # it says
             failures.report_error(failures.explain(err, ctx.device, step), ctx.rank)
             return 1
+        except preemption.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
+            if ctx.is_main:
+                print(stopped, file=sys.stderr, flush=True)
+            return stopped.exit_code
         finally:
             comm.teardown()
     finally:
@@ -489,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    with preemption.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
+        code = main()
     if comm.launched_by_torchrun():
         # Skip interpreter finalization under torchrun. A gloo worker thread may still be dropping
         # the last collective's tensors, which takes the GIL; during finalization that aborts the

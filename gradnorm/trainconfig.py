@@ -36,8 +36,9 @@ class TrainConfig:
     # ---- the normalization under study
     loss_denominator: str = "token"
     """How per-token losses are averaged: local (per-microbatch mean, the old bug), token (global
-    token mean), sequence (original GRPO), group (per prompt group), or a number C (Dr GRPO uses
-    C = prompts-per-step * group-size * max-new-tokens)."""
+    token mean), sequence (original GRPO: a mean of per-sequence means over the sequences with a
+    token), group (per prompt group), or a number C (Dr GRPO uses C = prompts-per-step *
+    group-size * max-new-tokens, counting every sequence)."""
     grad_accum_steps: int = 1
     """A: microbatches per rank per optimizer step (DDP no_sync on all but the last). Changeable on
     --resume, except under --loss-denominator local (the only mode whose update depends on it)."""

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from skipping import skip_or_fail  # tests/skipping.py
+
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; Playwright's own download cannot work here
-
-
-def _in_ci():
-    return os.environ.get("CI", "").strip().lower() in {"true", "1"}
 
 
 def _browser_missing():
@@ -34,10 +32,7 @@ def pytest_runtest_setup(item):
     missing = _browser_missing()
     if not missing:
         return
-    reason = "browser test needs " + " and ".join(missing)
-    if _in_ci():
-        pytest.fail(f"{reason}; CI is set, so a missing browser is a failure, not a skip", pytrace=False)
-    pytest.skip(f"{reason}; deselect browser tests with -m 'not browser'")
+    skip_or_fail("browser test needs " + " and ".join(missing), "; deselect browser tests with -m 'not browser'")
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from gradnorm.denominators import WEIGHT_FNS
 from gradnorm.dist.harness import Case, run_ddp
 from gradnorm.toy import DEFAULT_LENGTHS, make_policy, make_problem, token_losses
 from gradnorm.sharding import SHARD_KINDS, make_plan, tokens_per_rank
@@ -142,14 +143,26 @@ def test_simulation_equals_the_real_multiprocess_gradient(real):
         assert_close(results[0]["grads"][k], simulated(case, world_size), rtol=1e-12, atol=1e-14)
 
 
-def test_group_gradient_does_not_depend_on_accumulation_steps(real):
+def test_group_gradient_does_not_depend_on_accumulation_steps(real, monkeypatch):
     # The field once multiplied the group mode's gradient by A; here A = 1, 2, 4 must agree.
     world_size, results = real
     by_a = {CASES[k].accum_steps: results[0]["grads"][k]
             for k in case_ids(lambda c: c.denominator == "group" and c.shard == "contiguous" and c.lengths is None)}
-    assert_close(by_a[2], by_a[1], rtol=1e-10, atol=1e-12)
-    assert_close(by_a[4], by_a[1], rtol=1e-10, atol=1e-12)
-    assert not torch.allclose(by_a[1] * 2, by_a[1])  # control: an A-fold error would be visible
+
+    def same_as_one_microbatch(grad):
+        assert_close(grad, by_a[1], rtol=1e-10, atol=1e-12)
+
+    same_as_one_microbatch(by_a[2])
+    same_as_one_microbatch(by_a[4])
+    # The control: put that bug (group weights times A) into the library; the simulation, which
+    # equals the real runs (above), then fails this very comparison for A > 1, and only there.
+    group = WEIGHT_FNS["group"]
+    monkeypatch.setitem(WEIGHT_FNS, "group", lambda mask, g, counts, W, A, dtype: A * group(mask, g, counts, W, A, dtype))
+    buggy = {a: simulated(Case("group", a, "contiguous"), world_size) for a in (1, 2, 4)}
+    same_as_one_microbatch(buggy[1])  # invisible with one microbatch
+    for a in (2, 4):
+        with pytest.raises(AssertionError):
+            same_as_one_microbatch(buggy[a])
 
 
 def test_exactly_one_extra_collective_per_minibatch(real):

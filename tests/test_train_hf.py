@@ -70,8 +70,10 @@ def test_two_steps_ran_with_the_same_step_one_rollout_everywhere(runs):
     assert all(len(rows) == 2 for rows in runs.values())
     assert len({rows[0]["rollout_digest"] for rows in runs.values()}) == 1
     first = runs["token", 1, 2, "ddp"][0]
-    assert len(set(first["tokens_per_rank"])) == 1  # W = 1: one rank
-    ragged = runs["token", 2, 1, "ddp"][0]["tokens_per_rank"]
+    assert first["tokens_per_rank"] == [first["tokens"]] and first["tokens"] > 0  # W = 1: one rank holds them all
+    sharded = runs["token", 2, 1, "ddp"][0]
+    ragged = sharded["tokens_per_rank"]
+    assert sum(ragged) == sharded["tokens"] == first["tokens"]  # the same rollout, split over 2 ranks
     assert ragged[0] < ragged[1], ragged  # sorted by length: rank 0 holds the short responses
 
 
