@@ -193,8 +193,8 @@ def render(table: dict, meta: dict) -> str:
         lines.append(f"| {w} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['tokens_per_s']:.2f} |")
     lines += ["", "Rollout: TRL's `_generate_and_score_completions` (prompt tokenization, `model.generate`, decoding,"
               " reward, advantages, gathers); gradnorm's `time_rollout_s` (its seeded sampling loop, reward,"
-              " advantages). TRL samples only each rank's share; gradnorm samples the whole batch on every rank,"
-              " so its rollout does not shrink with W.", "",
+              " advantages, the all_gather of the sharded batch). Both sample only each rank's share of the"
+              " batch (gradnorm's default `--rollouts sharded`).", "",
               "TRL's `GRPOConfig` (everything else at TRL's defaults; `per_device_train_batch_size` = 64 / W):", "",
               "```", *(f"{k}={v!r}" for k, v in TRL_SETTINGS.items()), "```", "",
               "gradnorm's flags (besides `--model`, `--steps`, `--output-dir`):", "",
