@@ -7,7 +7,7 @@ against replicated (each rank samples all S).
     python benchmarks/rollouts.py --drift      # and 3 default trainings (how long W = 1 and 2 agree)
 
 1. Rollout seconds per step. One torchrun launch of 2 gloo ranks (this script's ``--worker`` mode)
-   builds the trainer's policy (``train.build_policy``: an untrained TinyGPT, the default 2x64 and a
+   builds the trainer's policy (``runstate.build_policy``: an untrained TinyGPT, the default 2x64 and a
    wider 4x256, on the built-in task, 32 prompts x 8 completions, up to 20 new tokens) and times
    ``rollout.generate_rollout`` in four configurations, interleaved round-robin with the order
    rotated every round so that a noisy neighbour slows them alike: W = 1 under each mode (rank 0
@@ -62,7 +62,7 @@ def worker(argv: list[str]) -> int:
     """
     from gradnorm.dist import comm
     from gradnorm.rollout import generate_rollout
-    from gradnorm.train import build_policy
+    from gradnorm.runstate import build_policy
     from gradnorm.trainconfig import parse_config
 
     parser = argparse.ArgumentParser()

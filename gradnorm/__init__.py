@@ -21,7 +21,7 @@ Distributed shell and the step
 - ``update``        one rank's accumulation of its microbatches, given the global counts
 
 Trainer
-- ``train``, ``trainconfig``, ``rollout``, ``sampling``, ``tinygpt``, ``tasks``, ``hfmodels``,
+- ``train``, ``runstate``, ``runlog``, ``trainconfig``, ``rollout``, ``sampling``, ``tinygpt``, ``tasks``, ``hfmodels``,
   ``prompts``, ``rewards``, ``checkpointing``, ``export``, ``preemption``, ``preflight``, ``rundir``,
   ``memory``, ``failures``, ``flagrules``, ``scoring``, ``phases``: ``torchrun gradnorm/train.py``
   and what it is built from

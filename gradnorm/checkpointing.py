@@ -7,7 +7,7 @@ Layout of output-dir/ (the same for ``--parallel ddp``, ``fsdp`` and a plain pro
         __{r}_0.distcp         rank r's part: its shards of the model and AdamW state under FSDP2
                                (under DDP DCP spreads the replicated tensors over the ranks), the
                                reference policy when --beta > 0, and rank r's RNG states
-        trainer_state.json     the trainer's counters (train.RunState: step, warm-up record,
+        trainer_state.json     the trainer's counters (runstate.RunState: step, warm-up record,
                                elapsed_s, skipped, in_a_row), plain JSON
     .ckpt_step{N}.tmp/         a checkpoint being written, never read
 

@@ -79,13 +79,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
-import re
 import sys
-import time
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 if __name__ == "__main__":  # Ctrl-C while torch imports: exit 130 quietly (preemption takes over in main)
@@ -101,155 +97,20 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, export, failures, hfmodels, memory, phases, preemption, preflight, rundir
+from gradnorm import checkpointing, export, failures, memory, phases, preemption, preflight, rundir
 from gradnorm.dist import comm, wrap
-from gradnorm.dist import state as dist_state
 from gradnorm.grpo import NUM_STATS, finalize_stats, grpo_token_losses
-from gradnorm.prompts import PromptTask
-from gradnorm.rollout import generate_rollout, sampled_reward, seeded_generator
+from gradnorm.rollout import generate_rollout
+from gradnorm.runlog import open_run_files, step_record, summarize, write_record
+from gradnorm.runstate import RunState, build_policy, load_checkpoint, resume_point, save_checkpoint, start_or_resume
 from gradnorm.scoring import score_by_length
-from gradnorm.sharding import make_plan, tokens_per_rank
-from gradnorm.tasks import RepeatTask
-from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs, token_logprobs_and_entropy
+from gradnorm.sharding import make_plan
 from gradnorm.trainconfig import TrainConfig, parse_config
 from gradnorm.update import accumulate_gradients
 
+
 class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. too many non-finite steps in a row); main prints it in one line."""
-
-
-TIMING_KEYS = ("tokens_per_second", "elapsed_s", "max_memory_gib", *phases.METRIC_KEYS)
-"""Measured metrics (wall time; CUDA memory): everything else in metrics.jsonl is a function of the config."""
-BAR_PHASES = ("rollout", "forward_backward", "optimizer")
-"""Phase times (gradnorm.phases) the progress bar shows beside the reward."""
-
-
-def warm_up(model: TinyGPT, task: RepeatTask, cfg: TrainConfig) -> None:
-    """Next-token training on demonstrations (masked token-mean NLL), run identically on every rank.
-
-    No DDP and no collectives: every rank computes the same full batch bit for bit, so the policy
-    GRPO starts from is the same for every W.
-    """
-    device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
-    g = seeded_generator(cfg.seed, "warmup")
-    for _ in range(cfg.warmup_steps):
-        tokens, loss_mask = (t.to(device) for t in task.demonstrations(cfg.warmup_batch, g))
-        logp, _ = token_logprobs_and_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-        mask = loss_mask[:, 1:]
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-
-def resume_point(cfg: TrainConfig) -> Path | None:
-    """The checkpoint --resume continues from, once the run it continues is known to match.
-
-    One-line ValueErrors: no checkpoint; a flag that defines the run differs from config.json
-    (``rundir.compare_resumed``); --steps not beyond the checkpoint's step.
-    """
-    if not cfg.resume:
-        return None
-    path = checkpointing.latest_checkpoint(cfg.output_dir)
-    if path is None:
-        old = " (its ckpt_step*.pt files are the single-file format of earlier versions)" \
-            if any(Path(cfg.output_dir).glob("ckpt_step*.pt")) else ""
-        raise ValueError(f"--resume: no complete checkpoint ckpt_step*/ in {cfg.output_dir}{old}")
-    rundir.compare_resumed(cfg, rundir.read_config(Path(cfg.output_dir)))
-    done = re.match(r"ckpt_step(\d+)", path.name)
-    if done and int(done.group(1)) >= cfg.steps:
-        raise ValueError(f"--resume: {path} is at step {done.group(1)} and --steps is {cfg.steps}: nothing to do; "
-                         "raise --steps to continue the run")
-    return path
-
-
-def open_metrics(path: Path, keep_through_step: int):
-    """metrics.jsonl for appending, cut back to the steps <= ``keep_through_step`` (0: a fresh file).
-
-    A resumed run's file may be missing (it starts again after the checkpoint's step), end in a
-    torn line (a crash mid-write) or hold lines that are not records (edited by hand): those lines
-    are dropped with a warning naming the file and the line. The cut file replaces the old one
-    atomically, so a crash now loses nothing.
-    """
-    kept = []
-    if keep_through_step > 0 and not path.exists():
-        print(f"warning: {path} is missing; it starts again at step {keep_through_step + 1}", file=sys.stderr, flush=True)
-    elif keep_through_step > 0:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        for number, line in enumerate(lines, start=1):
-            try:
-                step = json.loads(line)["step"] if line.strip() else None
-            except (ValueError, KeyError, TypeError):
-                step = "bad"
-            if step is None:
-                continue
-            if not isinstance(step, int) or isinstance(step, bool):
-                why = "a torn last line (the run stopped mid-write)" if number == len(lines) else "not a metrics record"
-                print(f"warning: {path}:{number}: dropped {why}", file=sys.stderr, flush=True)
-            elif step <= keep_through_step:
-                kept.append(line)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return open(path, "a")
-
-
-def build_policy(cfg: TrainConfig, device: torch.device):
-    """(task, model, score): the built-in task and TinyGPT, or JSONL prompts and a Hugging Face model.
-
-    ``score(model, tokens, P)`` is the model's ``response_logprobs``; the rollout picks the
-    matching sampler itself (``rollout.sampler_for``).
-    """
-    if cfg.builtin:
-        task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
-        torch.manual_seed(cfg.seed)
-        model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd))
-        return task, model.to(device), response_logprobs
-    tokenizer = hfmodels.load_tokenizer(cfg.model)
-    task = PromptTask.from_file(cfg.prompts, tokenizer, cfg.reward, cfg.max_new_tokens)
-    model = hfmodels.load_causal_lm(cfg.model, task.tokenizer.pad_id, device=device,
-                                    gradient_checkpointing=cfg.gradient_checkpointing)
-    return task, model.train(), hfmodels.response_logprobs
-
-
-@dataclass
-class RunState:
-    """Where a run stands: what a checkpoint restores besides the weights, optimizer and RNGs."""
-
-    step: int = 0
-    """Optimizer steps done."""
-    warmup: dict = field(default_factory=dict)
-    """The warm-up's record (warmup.json)."""
-    elapsed_s: float = 0.0
-    """Seconds of GRPO before this process started (a resumed run continues the clock)."""
-    skipped: int = 0
-    """Steps skipped for a non-finite loss or gradient, in all."""
-    in_a_row: int = 0
-    """The same, in a row up to the last step."""
-
-
-RUN_FIELDS = tuple(f.name for f in fields(RunState))
-
-
-def start_or_resume(cfg: TrainConfig, model: torch.nn.Module, task, ckpt_path: Path | None, autocast) -> RunState:
-    """A fresh run (reward, warm-up, reward), or the checkpoint's counters (its tensors are loaded
-    by ``load_checkpoint`` once the model is wrapped, into this run's shards)."""
-    if ckpt_path is not None:
-        run = checkpointing.read_run_state(ckpt_path, required=RUN_FIELDS)
-        return RunState(**{k: run[k] for k in RUN_FIELDS})
-    t = time.perf_counter()
-    with autocast():
-        before = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-    after = before
-    if cfg.builtin:  # a Hugging Face model starts from its own (pretrained) weights
-        warm_up(model, task, cfg)
-        with autocast():
-            after = sampled_reward(model, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-    warmup = {"steps": cfg.warmup_steps if cfg.builtin else 0, "reward_before": before,
-              "reward_after": after, "seconds": time.perf_counter() - t}
-    comm.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward {before:.3f} -> {after:.3f}")
-    return RunState(warmup=warmup)
 
 
 def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> None:
@@ -277,12 +138,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         load_checkpoint(ckpt_path, model, opt, ref, ctx)
         comm.print0(f"resumed from {ckpt_path} at step {run.step}")
 
-    metrics = None
-    if ctx.is_main:  # the directory is locked and an old run set aside by main (gradnorm.rundir)
-        out.mkdir(parents=True, exist_ok=True)
-        rundir.write_config(out, cfg, W, run.step)
-        (out / "warmup.json").write_text(json.dumps(run.warmup, indent=2) + "\n")
-        metrics = open_metrics(out / "metrics.jsonl", run.step)
+    # rank 0 writes the run's files (the directory is locked and an old run set aside by main)
+    metrics = open_run_files(out, cfg, W, run.step, run.warmup) if ctx.is_main else None
     bar = tqdm(total=cfg.steps, initial=run.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
     elapsed0 = run.elapsed_s
@@ -343,7 +200,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         # 5. Log (rank 0) and checkpoint.
         now = timer.last  # the step ends at its last lap, so its phase times add up to its wall time
         phase_times = timer.split(comm.all_reduce_max)  # rank 0's laps, and the max over ranks (a tiny all-reduce)
-        record = step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run,
+        record = step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run.skipped,
                              tokens_per_second=stats["tokens"] / max(now - t_prev, 1e-9),
                              elapsed_s=elapsed0 + now - t0, device=ctx.device)
         record.update(phase_times)
@@ -387,75 +244,6 @@ def apply_or_skip(opt: torch.optim.Optimizer, grad_norm: torch.Tensor, stats: di
     comm.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats['loss']}, grad_norm "
                 f"{float(grad_norm)}); skipped the update ({run.in_a_row} in a row, "
                 f"--max-skipped-steps {cfg.max_skipped_steps})", file=sys.stderr)
-
-
-def step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run: RunState, *, tokens_per_second: float,
-                elapsed_s: float, device: torch.device) -> dict:
-    """One line of metrics.jsonl: global statistics of the step (non-finite values as null)."""
-    record = {
-        "step": step, "loss": stats["loss"], "grad_norm": float(grad_norm),
-        "reward_mean": float(mb.rewards.mean()), "exact_match": float((mb.rewards == 1.0).float().mean()),
-        "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
-        "tokens": stats["tokens"], "tokens_per_rank": tokens_per_rank(plan, lengths),
-        **{k: stats[k] for k in ("pg_loss", "kl", "clipfrac", "entropy") if k in stats},
-        "rollout_digest": rollout.digest(), "skipped_steps": run.skipped,
-        "tokens_per_second": tokens_per_second, "elapsed_s": elapsed_s,
-        **({"max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}),
-    }
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-
-
-def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
-    """Append the record to metrics.jsonl and show it (progress bar, or a line every --log-every steps).
-
-    A skipped step's non-finite statistics are None in the record; they print as null.
-    """
-    metrics.write(json.dumps(record) + "\n")
-    metrics.flush()
-
-    def show(key: str, spec: str) -> str:
-        return "null" if record.get(key) is None else format(record[key], spec)
-
-    timed = [p for p in BAR_PHASES if record.get(f"time_{p}_s") is not None]  # where the step's time went
-    bar.update(1)
-    bar.set_postfix(reward=show("reward_mean", ".3f"), tok_s=show("tokens_per_second", ".0f"),
-                    **{p: show(f"time_{p}_s", ".2f") + "s" for p in timed})
-    step = record["step"]
-    if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
-        print(" ".join([f"step {step}/{cfg.steps} reward {show('reward_mean', '.3f')} loss {show('loss', '.4f')} "
-                        f"grad_norm {show('grad_norm', '.4f')} tokens/s {show('tokens_per_second', '.0f')}",
-                        *(f"{p} {show(f'time_{p}_s', '.3f')}s" for p in timed)]), flush=True)
-
-
-def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext) -> None:
-    """Write ckpt_step{N}/: every rank its own shards, in parallel, nothing gathered on one rank."""
-    checkpointing.save(out, run.step, dist_state.training_state(model, opt, ref), asdict(run), ctx.rank)
-
-
-def load_checkpoint(path: Path, model, opt, ref, ctx: comm.DistContext) -> None:
-    """Load a checkpoint written on any W and --parallel into this run's (possibly sharded) model."""
-    state = dist_state.training_state(model, opt, ref)  # this run's layout: the placeholders to fill
-    checkpointing.load(path, state, ctx.rank)
-    dist_state.apply_training_state(model, opt, ref, state)
-
-
-def summarize(out: Path, plot: bool) -> None:
-    """Print the run's outcome and draw its learning curve (rank 0)."""
-    from gradnorm.curves import write_learning_curve
-    from gradnorm.runs import read_metrics
-
-    rows = read_metrics(out / "metrics.jsonl")
-    last = rows[-10:]
-    warmup = json.loads((out / "warmup.json").read_text())
-    print(f"reward: {warmup['reward_before']:.3f} before warm-up, {warmup['reward_after']:.3f} after; "
-          f"mean of the last {len(last)} steps {sum(r['reward_mean'] for r in last) / len(last):.3f} "
-          f"(max 1.0); {rows[-1]['elapsed_s']:.0f} s of GRPO")
-    if not plot:
-        return
-    try:
-        print(f"learning curve: {write_learning_curve(out)}")
-    except ImportError:
-        print("learning curve skipped: matplotlib is not installed (pip install -e '.[notebooks]')")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,9 @@ from gradnorm.rewards import RewardError, call_reward
 from gradnorm.rundir import RunDir
 from gradnorm.tasks import RepeatTask
 from gradnorm.tinygpt import GPTConfig, TinyGPT
-from gradnorm.train import main, open_metrics, write_record
+from gradnorm.runlog import open_metrics, write_record
+from gradnorm.runstate import RUN_FIELDS
+from gradnorm.train import main
 from gradnorm.flagrules import CHANGEABLE_ON_RESUME
 from gradnorm.trainconfig import TrainConfig, field_docs, parse_config
 
@@ -79,7 +81,7 @@ def test_an_error_in_a_step_is_one_line_with_the_step_and_the_checkpoints_stay(e
     assert run_main(out, "--steps", "4", "--save-every", "1") == 1
     one_error_line(capsys.readouterr().err, says)
     assert sorted(p.name for p in out.iterdir() if "ckpt" in p.name) == ["ckpt_step1", "ckpt_step2"]  # no .tmp
-    assert checkpointing.read_run_state(out / "ckpt_step2", required=train_module.RUN_FIELDS)["step"] == 2
+    assert checkpointing.read_run_state(out / "ckpt_step2", required=RUN_FIELDS)["step"] == 2
     assert checkpointing.read_tensors(out / "ckpt_step2", "model")  # complete: its tensors load
     assert not (out / ".lock").exists()
 

@@ -30,7 +30,7 @@ SHELL = ("gradnorm.dist", "gradnorm.update", "torch.nn.parallel.distributed", "t
 MAX_LINES = 350
 # Files over MAX_LINES that are being split elsewhere; each may not grow, and must leave this list
 # once it fits (the test fails on a stale entry).
-KNOWN_LONG = {"train.py": 417}  # to be split once the trainer work of this round has landed
+KNOWN_LONG: dict[str, int] = {}  # files allowed over MAX_LINES for now: none
 
 
 def added_by_import(*modules: str) -> set[str]:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gradnorm import phases
-from gradnorm.train import TIMING_KEYS, main
+from gradnorm.runlog import TIMING_KEYS
+from gradnorm.train import main
 
 
 class FakeClock:

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from gradnorm import checkpointing, preemption
-from gradnorm.train import TIMING_KEYS, main
+from gradnorm.runlog import TIMING_KEYS
+from gradnorm.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

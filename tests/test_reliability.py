@@ -33,7 +33,8 @@ from gradnorm import rollout as rollout_module
 from gradnorm import train as train_module
 from gradnorm.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
-from gradnorm.train import TIMING_KEYS, main
+from gradnorm.runlog import TIMING_KEYS
+from gradnorm.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -30,7 +30,7 @@ from torch.testing import assert_close
 from gradnorm import checkpointing
 from gradnorm.phases import MAX_PHASES, PHASES
 from gradnorm.phases import METRIC_KEYS as PHASE_KEYS
-from gradnorm.train import TIMING_KEYS
+from gradnorm.runlog import TIMING_KEYS
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,9 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm import checkpointing
-from gradnorm.train import TIMING_KEYS, build_policy, main, warm_up
+from gradnorm.runlog import TIMING_KEYS
+from gradnorm.runstate import build_policy, warm_up
+from gradnorm.train import main
 from gradnorm.trainconfig import parse_config
 
 pytestmark = pytest.mark.slow
