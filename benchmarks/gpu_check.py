@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from gradnorm.dist.launch import torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 # A ~280M-parameter Llama shape (24 layers, width 1024, 16 heads, GQA 16/8), char-level vocabulary:
 # big enough that the GPU, not Python, sets the pace; small enough to build in seconds.
@@ -98,10 +100,10 @@ def rollout_rows(nproc: int, configs: list[tuple[str, list[str]]], device: str, 
 
 def launch(nproc: int, out: Path, flags: list[str], device: str, steps: int) -> list[dict]:
     """One torchrun launch of the trainer; returns its metrics rows."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "gradnorm/train.py", "--steps", str(steps), "--save-every", "0", "--warmup-steps", "0",
-           "--eval-prompts", "8", "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "64",
-           "--no-plot", "--device", device, "--output-dir", str(out), "--overwrite", *flags]
+    cmd = torchrun_command(nproc, "--steps", str(steps), "--save-every", "0", "--warmup-steps", "0",
+                           "--eval-prompts", "8", "--prompts-per-step", "16", "--group-size", "8",
+                           "--max-new-tokens", "64", "--no-plot", "--device", device, "--output-dir", str(out),
+                           "--overwrite", *flags)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

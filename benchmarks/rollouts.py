@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from gradnorm.dist.launch import torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # The default policy, where a decode step's Python overhead is a large share, and a wider one,
@@ -48,7 +50,7 @@ MODELS = {"2x64 (default)": [], "4x256": ["--n-layer", "4", "--n-embd", "256"]}
 
 
 def _torchrun(nproc: int, script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    return torchrun_command(nproc, *args, script=script)
 
 
 # ------------------------------------------------------------------ the worker (one torchrun launch)

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gradnorm.dist.launch import torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "arithmetic.jsonl"
 PROMPTS_PER_STEP, GROUP, MAX_NEW, LR = 16, 4, 32, 1e-5
@@ -109,8 +111,8 @@ GRADNORM_FLAGS = ["--prompts", str(PROMPTS), "--prompts-per-step", str(PROMPTS_P
 # ------------------------------------------------------------------ the driver
 
 
-def _torchrun(world_size: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *args]
+def _torchrun(world_size: int, script: str, *args: str) -> list[str]:
+    return torchrun_command(world_size, *args, script=script)
 
 
 def run_gradnorm(model_dir: Path, world_size: int, steps: int, work: Path) -> list[dict]:

@@ -28,6 +28,7 @@ from gradnorm.runstate import RUN_FIELDS
 from gradnorm.train import main
 from gradnorm.flagrules import CHANGEABLE_ON_RESUME
 from gradnorm.trainconfig import TrainConfig, field_docs, parse_config
+from gradnorm.dist.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "--eval-prompts", "2",
@@ -326,8 +327,7 @@ def test_a_user_reward_that_raises_mid_rollout_shows_its_own_frames_only(tmp_pat
 
 
 def torchrun(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags],
+    return subprocess.run(torchrun_command(2, *TINY, "--output-dir", str(out), *flags),
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
 

@@ -47,6 +47,7 @@ from gradnorm import checkpointing
 from gradnorm.dist import state as dist_state
 from gradnorm.tinygpt import GPTConfig, TinyGPT
 from gradnorm.train import main
+from gradnorm.dist.launch import torchrun_command
 from test_reliability import TINY, Evil, assert_same_steps, metrics, one_error_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,8 +265,7 @@ def runs(tmp_path_factory):
              "--beta", "0.05", "--steps", "4", "--save-every", "2", "--seed", "1", "--no-plot"]
 
     def torchrun(script, out, parallel, *extra):
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                *flags, "--parallel", parallel, "--output-dir", str(out), *extra]
+        return torchrun_command(2, *flags, "--parallel", parallel, "--output-dir", str(out), *extra, script=script)
 
     def from_step_2(source, name):  # a copy of a run as it was after its step-2 checkpoint
         shutil.copytree(source, base / name, ignore=shutil.ignore_patterns("ckpt_step4", "final"))

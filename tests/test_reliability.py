@@ -35,6 +35,7 @@ from gradnorm.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
 from gradnorm.runlog import TIMING_KEYS
 from gradnorm.train import main
+from gradnorm.dist.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -267,8 +268,7 @@ def test_two_runs_with_the_same_seed_write_identical_metrics(tmp_path):
 
 
 def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
+    return torchrun_command(nproc, *TINY, "--output-dir", str(out), *flags)
 
 
 def torchrun(nproc: int, out: Path, *flags: str) -> None:

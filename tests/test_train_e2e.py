@@ -31,6 +31,7 @@ from gradnorm import checkpointing
 from gradnorm.phases import MAX_PHASES, PHASES
 from gradnorm.phases import METRIC_KEYS as PHASE_KEYS
 from gradnorm.runlog import TIMING_KEYS
+from gradnorm.dist.launch import torchrun_command
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +44,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def torchrun(nproc: int, out: Path, *flags: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
+    cmd = torchrun_command(nproc, *TINY, "--output-dir", str(out), *flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
 

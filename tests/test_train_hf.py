@@ -26,6 +26,7 @@ from torch.testing import assert_close
 pytest.importorskip("transformers")
 
 from gradnorm.hfmodels import build_tiny_llama  # noqa: E402
+from gradnorm.dist.launch import torchrun_command
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +57,9 @@ def runs(tmp_path_factory):
     for mode, world_size, accum, parallel in [("token", 1, 2, "ddp"), ("token", 2, 1, "ddp"), ("local", 2, 1, "ddp"),
                                               ("token", 2, 1, "fsdp"), ("local", 2, 1, "fsdp")]:
         out = base / f"{mode}-{world_size}-{accum}-{parallel}"
-        launcher = [sys.executable, "gradnorm/train.py"] if world_size == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", "gradnorm/train.py"]
-        cmd = [*launcher, *flags, "--loss-denominator", mode, "--grad-accum-steps", str(accum),
-               "--parallel", parallel, "--output-dir", str(out)]
+        args = [*flags, "--loss-denominator", mode, "--grad-accum-steps", str(accum),
+                "--parallel", parallel, "--output-dir", str(out)]
+        cmd = [sys.executable, "gradnorm/train.py", *args] if world_size == 1 else torchrun_command(world_size, *args)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-4000:]}"
         found[mode, world_size, accum, parallel] = metrics(out)
