@@ -75,7 +75,7 @@ def test_the_summed_votes_give_every_rank_the_same_decision(summed, expected):
 
 
 def test_stopped_names_the_signal_the_step_and_the_exit_code(tmp_path):
-    stopped = preemption.Stopped(signal.SIGTERM, 7, tmp_path / "ckpt_step7.pt")
+    stopped = preemption.Stopped(signal.SIGTERM, 7, tmp_path / "ckpt_step7")
     assert stopped.exit_code == 143 and preemption.Stopped(signal.SIGINT, 1, tmp_path).exit_code == 130
     assert str(stopped).startswith("stopped by SIGTERM after step 7: checkpoint ") and "--resume" in str(stopped)
 
@@ -140,16 +140,17 @@ def signal_after_first_step(proc: subprocess.Popen, out: Path, pid_of_target, si
 
 
 def assert_stopped_cleanly(out: Path, stderr: str, signame: str) -> int:
-    """One checkpoint, at the step the log stops at, complete and loadable; return that step."""
+    """One checkpoint directory, at the step the log stops at, complete and loadable; return that step."""
     rows = metrics(out)
     stopped_at = len(rows)
     assert 1 <= stopped_at < STEPS, f"the run finished before the signal took effect:\n{stderr}"
     assert [m["step"] for m in rows] == list(range(1, stopped_at + 1))
-    line = f"stopped by {signame} after step {stopped_at}: checkpoint {out / f'ckpt_step{stopped_at}.pt'} written"
+    ckpt = out / f"ckpt_step{stopped_at}"
+    line = f"stopped by {signame} after step {stopped_at}: checkpoint {ckpt} written"
     assert [x for x in stderr.splitlines() if x.startswith("stopped by")] == [line + "; continue with --resume"]
-    assert sorted(p.name for p in out.glob("ckpt_step*.pt")) == [f"ckpt_step{stopped_at}.pt"]
-    assert not list(out.glob(".ckpt_step*"))  # no torn temporary file
-    assert checkpointing.load(out / f"ckpt_step{stopped_at}.pt", required=checkpointing.TRAINER_KEYS)["step"] == stopped_at
+    assert sorted(p.name for p in out.glob("*ckpt_step*")) == [ckpt.name]  # no other, and no torn .tmp directory
+    assert checkpointing.read_run_state(ckpt, required=("step",))["step"] == stopped_at
+    assert checkpointing.read_tensors(ckpt, "model")  # .metadata and the data files are complete
     return stopped_at
 
 

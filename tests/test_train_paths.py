@@ -21,6 +21,8 @@ The remaining flags that no other test changes, in one run of 2 steps: bf16 auto
 (another step-1 gradient than fp32), ``--kl-estimator k2`` (another KL than k3 once the policy
 moved), ``--save-every 0`` (a checkpoint at the end only), ``--log-every``, ``--plot``,
 ``--cpu-threads``, and the optimizer, clip, warm-up and sampling values (they reach config.json).
+And a fresh run into a directory that holds a run: refused, and with ``--overwrite`` none of the
+old checkpoints survive for a later ``--resume`` to pick.
 
 The (1, 1) runs are ``main()`` in this process; every other run is a torchrun launch (6).
 """
@@ -41,6 +43,8 @@ from gradnorm.runlog import TIMING_KEYS
 from gradnorm.runstate import build_policy, warm_up
 from gradnorm.train import main
 from gradnorm.trainconfig import parse_config
+from test_bad_input_runtime import every_file
+from test_reliability import one_error_line
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +85,9 @@ def continued(base: Path, source: str, name: str, *flags: str) -> Path:
     """Step 2 on 2 ranks x 2 microbatches, continued from the W = 1 run ``source``'s step-1 checkpoint."""
     out = base / name
     out.mkdir()
-    shutil.copy(base / source / "ckpt_step1.pt", out)
+    # A bare checkpoint, without config.json, resumes without comparing the flags: the local control
+    # changes A and the sharding, which a --resume of a local run refuses (gradnorm.flagrules).
+    shutil.copytree(base / source / "ckpt_step1", out / "ckpt_step1")
     shutil.copy(base / source / "metrics.jsonl", out)
     torchrun(out, "--steps", "2", "--resume", *SHARDED, *flags)
     return out
@@ -100,7 +106,7 @@ def kl_runs(tmp_path_factory):
     torchrun(base / "two", "--steps", "4", "--save-every", "2", *SHARDED, *beta)
     # Interrupted after step 2: the copy of the 2-rank run loses its step-4 checkpoint, then resumes.
     shutil.copytree(base / "two", base / "resumed")
-    (base / "resumed" / "ckpt_step4.pt").unlink()
+    shutil.rmtree(base / "resumed" / "ckpt_step4")
     torchrun(base / "resumed", "--steps", "4", "--save-every", "2", "--resume", *SHARDED, *beta)
     continued(base, "one", "two_from_one", *beta)
     continued(base, "one_local", "two_local_from_one", "--loss-denominator", "local", *beta)
@@ -122,17 +128,19 @@ def test_kl_is_logged_and_is_in_the_loss_and_in_the_gradient(kl_runs):
 
 
 def test_the_reference_is_the_policy_after_warm_up_frozen_and_checkpointed(kl_runs):
-    ckpts = [checkpointing.load(kl_runs / "one" / f"ckpt_step{s}.pt") for s in (1, 2, 3, 4)]
+    ckpts = [{part: checkpointing.read_tensors(kl_runs / "one" / f"ckpt_step{s}", part) for part in ("model", "ref")}
+             for s in (1, 2, 3, 4)]
     cfg = parse_config([*TINY, "--beta", str(BETA)])
     torch.set_num_threads(cfg.cpu_threads)
     task, policy, _ = build_policy(cfg, torch.device("cpu"))
     warm_up(policy, task, cfg)
     for name, tensor in policy.state_dict().items():
-        assert torch.equal(ckpts[0]["ref_model"][name], tensor), name
-        assert all(torch.equal(c["ref_model"][name], tensor) for c in ckpts[1:]), name  # frozen
-    moved = [name for name in ckpts[3]["model"] if not torch.equal(ckpts[3]["model"][name], ckpts[3]["ref_model"][name])]
+        assert torch.equal(ckpts[0]["ref"][name], tensor), name
+        assert all(torch.equal(c["ref"][name], tensor) for c in ckpts[1:]), name  # frozen
+    moved = [name for name in ckpts[3]["model"] if not torch.equal(ckpts[3]["model"][name], ckpts[3]["ref"][name])]
     assert moved, "the policy should have left the reference after 4 steps"
-    assert "ref_model" not in checkpointing.load(kl_runs / "no_kl" / "ckpt_step2.pt")
+    with pytest.raises(ValueError, match="holds no ref tensors"):  # beta = 0 saves no reference
+        checkpointing.read_tensors(kl_runs / "no_kl" / "ckpt_step2", "ref")
 
 
 def test_a_resumed_kl_run_logs_what_an_uninterrupted_one_logs(kl_runs):
@@ -225,7 +233,7 @@ def test_the_flags_no_other_test_changes_take_effect(tmp_path, capsys):
     rows, out = runs["all"]
     out_dir = tmp_path / "all"
     assert [m["step"] for m in rows] == [1, 2] and all(m["grad_norm"] > 0 for m in rows)
-    assert sorted(p.name for p in out_dir.glob("ckpt_step*.pt")) == ["ckpt_step2.pt"]  # --save-every 0: the end only
+    assert sorted(p.name for p in out_dir.glob("*ckpt_step*")) == ["ckpt_step2"]  # --save-every 0: the end only
     assert (out_dir / "learning_curve.png").stat().st_size > 0  # --plot
     assert "step 1/2 " in out and "step 2/2 " in out  # --log-every 1 (no terminal here, so no progress bar)
     config = json.loads((out_dir / "config.json").read_text())
@@ -240,11 +248,19 @@ def test_the_flags_no_other_test_changes_take_effect(tmp_path, capsys):
     assert k3[1]["kl"] > 0 and rows[1]["kl"] > 0 and k3[1]["kl"] != rows[1]["kl"]
 
 
-def test_a_fresh_run_in_an_old_output_dir_drops_the_old_checkpoints(tmp_path):
-    """Without --resume the directory starts over, so a later --resume can never mix two runs."""
+def test_a_fresh_run_never_mixes_with_the_run_already_in_its_output_dir(tmp_path, capsys):
+    """A later --resume must continue one run: a fresh run refuses a directory that holds a run, and
+    with --overwrite none of the old checkpoints survive, not even those past the new run's last step."""
     out = tmp_path / "run"
     one_process(out, "--steps", "2", "--save-every", "1")
-    one_process(out, "--steps", "1")
-    assert sorted(p.name for p in out.glob("ckpt_step*.pt")) == ["ckpt_step1.pt"]
+    old = every_file(out)
+    capsys.readouterr()
+    assert main([*TINY, "--output-dir", str(out), "--steps", "1"]) == 2
+    one_error_line(capsys.readouterr().err, f"--output-dir {out} holds a run (")
+    assert every_file(out) == old  # refused before anything was touched
+    one_process(out, "--steps", "1", "--seed", "5", "--overwrite")
+    # The old ckpt_step2 would be what --resume picks: it went with previous_run/ at the new run's checkpoint.
+    assert sorted(os.listdir(out)) == ["ckpt_step1", "config.json", "metrics.jsonl", "warmup.json"]
+    assert checkpointing.latest_checkpoint(out) == out / "ckpt_step1"
     assert [m["step"] for m in metrics(out)] == [1]
-    assert checkpointing.load(out / "ckpt_step1.pt")["step"] == 1
+    assert json.loads((out / "config.json").read_text())["seed"] == 5
