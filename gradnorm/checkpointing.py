@@ -50,7 +50,7 @@ from gradnorm.dist import state as dist_state
 
 _NAME = re.compile(r"^ckpt_step(\d+)$")
 RUN_FILE = "trainer_state.json"
-ADVICE = "delete it to resume from an earlier checkpoint, or start over without --resume"
+ADVICE = "delete it to fall back on an earlier checkpoint (--resume, or python -m gradnorm.export --step N), or start afresh"
 
 
 class CheckpointError(RuntimeError):

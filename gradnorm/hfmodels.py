@@ -27,6 +27,8 @@ tokenizer (built locally with ``tokenizers``, no download) to a directory that `
 from __future__ import annotations
 
 import inspect
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,11 @@ def load_causal_lm(
         model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **{dtype_kw: dtype})
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {name_or_path!r}: cannot load it ({str(e).splitlines()[0]})") from None
+    except pickle.UnpicklingError as e:  # a pickled weights file that holds more than tensors: never run it
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"it references {found.group(1)}" if found else "it holds more than tensors"
+        raise ValueError(f"--model {name_or_path!r}: its weights are refused by the safe unpickler ({what}), "
+                         "so they may be malicious; use a model directory you trust") from None
     model.config.pad_token_id = pad_id
     model.config.use_cache = False  # training passes never need a cache; sampling asks for one
     if gradient_checkpointing:  # renamed activation checkpointing in transformers 5 (the old name warns)

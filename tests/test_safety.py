@@ -167,8 +167,9 @@ def test_a_poisoned_hugging_face_model_never_runs_its_payload(tmp_path):
     model_dir = hfmodels.build_tiny_llama(tmp_path / "tiny-llama", seed=0)
     (model_dir / "model.safetensors").unlink()  # transformers falls back to pytorch_model.bin
     (model_dir / "pytorch_model.bin").write_bytes(torch_saved({"lm_head.weight": Payload(target)}))
-    with pytest.raises(pickle.UnpicklingError):  # transformers' torch.load(weights_only=True), not a missing file
+    with pytest.raises(ValueError, match="refused by the safe unpickler") as err:  # one line, not a missing file
         hfmodels.load_causal_lm(str(model_dir), pad_id=0)
+    assert "\n" not in str(err.value) and "weights_only=False" not in str(err.value)
     assert not target.exists()
     torch.load(model_dir / "pytorch_model.bin", weights_only=False)  # the control: unguarded, it runs
     assert target.exists()
