@@ -48,7 +48,7 @@ example: install
 bench: install
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]"
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench.py --out benchmarks --readme README.md
-	OMP_NUM_THREADS=1 $(PY) benchmarks/rollouts.py --out benchmarks
+	OMP_NUM_THREADS=1 $(PY) benchmarks/rollouts.py --drift --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_trl.py --out benchmarks
 
 clean:
