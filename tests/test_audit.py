@@ -256,9 +256,9 @@ import torch
 before = set(sys.modules)
 import gradnorm.audit
 added = set(sys.modules) - before
-imports = sorted(m for m in added if m.startswith(("torch.nn.parallel", "torch.distributed", "matplotlib")))
-imports += [m for m in ("gradnorm.update", "gradnorm.equivalence", "gradnorm.parallel", "gradnorm.dataparallel",
-                        "torch.distributed.fsdp") if m in sys.modules]
+imports = sorted(m for m in added if m.startswith(("torch.nn.parallel", "torch.distributed", "matplotlib",
+                                                   "gradnorm.dist", "gradnorm.update")))
+imports += [m for m in ("torch.distributed.fsdp",) if m in sys.modules]
 runs = {}
 for case, args in json.loads(sys.argv[1]).items():
     for name in ("gradnorm.audit", "gradnorm.auditcli"):  # every run starts as a fresh `python -m`
