@@ -41,7 +41,7 @@ figures: install
 	$(PY) figures/make_figures.py
 
 example: install
-	$(PY) -m gradnorm.worked_example
+	$(PY) -m gradnorm.teach.worked_example
 
 # Regenerates every committed benchmark result: results.md/.json, rollouts.md, vs_trl.md/.json and the README's
 # numbers (between its bench markers). Installs the optional `bench` extra (TRL) first.

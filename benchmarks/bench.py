@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from gradnorm.dist import comm, wrap
-from gradnorm.denominators import mask_from_lengths, parse_denominator
-from gradnorm.dist.harness import count_collectives, spawn_gloo
-from gradnorm.grpo import grpo_token_losses
-from gradnorm.sharding import make_plan
-from gradnorm.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs
-from gradnorm.update import accumulate_gradients
+from gradnorm.core.denominators import mask_from_lengths, parse_denominator
+from gradnorm.dist.spawn import count_collectives, spawn_gloo
+from gradnorm.core.grpo import grpo_token_losses
+from gradnorm.core.sharding import make_plan
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs
+from gradnorm.core.accumulate import accumulate_gradients
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fixcost.py beside this script, also in spawned ranks
 import fixcost  # noqa: E402
@@ -166,15 +166,15 @@ def bench_widgets(reps: int) -> list[dict]:
     """Time of one explorer callback (set a control, recompute, move the artists, render, encode the PNG).
 
     Every explorer is timed twice, interleaved round-robin: as shipped (the in-place canvas of
-    ``gradnorm.canvas``: the kept background, the axis cache) and with ``canvas.blit = False``,
+    ``gradnorm.teach.canvas``: the kept background, the axis cache) and with ``canvas.blit = False``,
     which draws the same in-place figure from scratch on every callback. The controls cycle
     through values that jump across their range, so most callbacks change an axis limit; the
     first round visits every value once and warms the axis cache: its callbacks are reported
     apart (``first_visit_ms``). ``axis_draws`` counts the axis states drawn (cache misses)
     during the timed callbacks, ``full_redraws`` the whole-figure draws.
     """
-    from gradnorm import widgets
-    from gradnorm.sweeps import gradient_sweep
+    from gradnorm.teach import widgets
+    from gradnorm.teach.sweeps import gradient_sweep
 
     torch.set_num_threads(1)
     imbalances = [1.0, 4.0, 12.0]
@@ -345,7 +345,7 @@ def render_markdown(report: dict) -> str:
     lines += ["", "## 4. Notebooks and widgets", "",
               "One explorer callback: set the control, recompute from the teaching modules, move the view's"
               " artists in place, render and encode the PNG (goal: a median under 50 ms). As shipped, the"
-              " in-place canvas (`gradnorm/canvas.py`) restores a kept background, pastes axis states it has"
+              " in-place canvas (`gradnorm/teach/canvas.py`) restores a kept background, pastes axis states it has"
               " drawn before and draws only what moved; the baseline draws the same figure from scratch on every"
               " callback. The controls jump across their range; a first round visits each value once (its median"
               " is the first-visit column: new axis states drawn), then the timed rounds count the axis states"

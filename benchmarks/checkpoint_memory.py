@@ -9,7 +9,7 @@ holds its shard of the weights and of AdamW's two moments. Then rank 0's host me
 around one save, with each way of saving in its own fresh pair of processes (a freed allocation
 would otherwise be reused by the next one and hide it):
 
-- ``sharded``: ``gradnorm.checkpointing.save``, what the trainer does. Every rank writes its own
+- ``sharded``: ``gradnorm.trainer.checkpointing.save``, what the trainer does. Every rank writes its own
   shards with torch.distributed.checkpoint.
 - ``gathered``: what the trainer did before: ``get_model_state_dict`` and
   ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True`` (every full tensor
@@ -41,11 +41,11 @@ except ImportError:
 
 import torch
 
-from gradnorm import checkpointing
+from gradnorm.trainer import checkpointing
 from gradnorm.dist import comm, wrap
 from gradnorm.dist import state as dist_state
-from gradnorm.dist.harness import spawn_gloo
-from gradnorm.tinygpt import GPTConfig, TinyGPT
+from gradnorm.dist.spawn import spawn_gloo
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 
 MB = 2**20
 

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from gradnorm.denominators import mask_from_lengths, microbatch_loss, parse_denominator
+from gradnorm.core.denominators import mask_from_lengths, microbatch_loss, parse_denominator
 from gradnorm.dist import comm
-from gradnorm.sharding import make_plan
+from gradnorm.core.sharding import make_plan
 
 
 def quantile(samples: list[float], q: float) -> float:

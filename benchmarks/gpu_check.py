@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from gradnorm.dist.launch import torchrun_command
+from gradnorm.teach.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 # A ~280M-parameter Llama shape (24 layers, width 1024, 16 heads, GQA 16/8), char-level vocabulary:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
               "run it on a GPU machine (--allow-cpu exercises the script on CPU)", file=sys.stderr)
         return 1
-    from gradnorm.hfmodels import build_tiny_llama  # needs transformers: pip install -e '.[hf]'
+    from gradnorm.models.hf import build_tiny_llama  # needs transformers: pip install -e '.[hf]'
 
     device = "cuda" if cuda else "cpu"
     hardware = f"{args.nproc} x {torch.cuda.get_device_name(0)}, bf16 autocast" if cuda else f"CPU, {args.nproc} gloo rank(s), fp32"

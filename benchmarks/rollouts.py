@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from gradnorm.dist.launch import torchrun_command
+from gradnorm.teach.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -63,9 +63,9 @@ def worker(argv: list[str]) -> int:
     (``--model``, ``--device``, ``--precision``, the batch) can be timed.
     """
     from gradnorm.dist import comm
-    from gradnorm.rollout import generate_rollout
-    from gradnorm.runstate import build_policy
-    from gradnorm.trainconfig import parse_config
+    from gradnorm.trainer.rollout import generate_rollout
+    from gradnorm.trainer.runstate import build_policy
+    from gradnorm.trainer.trainconfig import parse_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)

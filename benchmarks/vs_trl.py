@@ -4,7 +4,7 @@
     python benchmarks/vs_trl.py               # 3 rounds (make bench runs this); writes benchmarks/vs_trl.md
     python benchmarks/vs_trl.py --quick       # 1 round of fewer steps: a smoke test
 
-Both sides train ``gradnorm.hfmodels.build_tiny_qwen2`` (a random 2-layer, width-32 Qwen2 with a
+Both sides train ``gradnorm.models.hf.build_tiny_qwen2`` (a random 2-layer, width-32 Qwen2 with a
 character tokenizer, built offline) on ``examples/arithmetic.jsonl`` through the tokenizer's chat
 template: 16 prompts x 4 completions = 64 sequences per optimizer step whatever W, at most 32
 new tokens, temperature 1, fp32 on CPU, one thread per process, DAPO's token-level loss, clip
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gradnorm.dist.launch import torchrun_command
+from gradnorm.teach.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "arithmetic.jsonl"
@@ -53,8 +53,8 @@ def trl_worker(model_dir: str, steps: int, out: str) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from gradnorm.prompts import load_prompts
-    from gradnorm.rewards import exact_match_math
+    from gradnorm.tasks.prompts import load_prompts
+    from gradnorm.tasks.rewards import exact_match_math
 
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -142,7 +142,7 @@ def _run(cmd: list[str]) -> None:
 
 def race(rounds: int, steps: int, skip: int) -> dict:
     """{W: {side: [per-step records of every round, warm-up steps dropped]}}."""
-    from gradnorm.hfmodels import build_tiny_qwen2
+    from gradnorm.models.hf import build_tiny_qwen2
 
     runners = {"trl": run_trl, "gradnorm": run_gradnorm}
     found: dict = {w: {side: [] for side in runners} for w in (1, 2)}

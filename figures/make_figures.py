@@ -3,10 +3,10 @@
     python figures/make_figures.py            # writes figures/*.png next to this file
     python figures/make_figures.py --out DIR  # somewhere else
 
-Each ``figure_*`` function builds one figure from the library's data (``gradnorm.imbalance``,
-``sweeps``, ``lengthbias``) drawn by ``gradnorm.views``, ``plotting`` and ``lengthplots`` (the
+Each ``figure_*`` function builds one figure from the library's data (``gradnorm.teach.imbalance``,
+``sweeps``, ``lengthbias``) drawn by ``gradnorm.teach.views``, ``plotting`` and ``lengthplots`` (the
 widget views through the very explorers the notebooks show, at their default settings), in the
-one palette of ``gradnorm.palette``, and returns
+one palette of ``gradnorm.teach.palette``, and returns
 ``(Figure, data)``: ``tests/test_figures.py`` checks the data, never the pixels. Everything is
 computed from fixed inputs and seeds, and the PNGs carry no timestamp or version metadata.
 """
@@ -24,10 +24,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from gradnorm import lengthplots, plotting, views, widgets  # noqa: E402
-from gradnorm.imbalance import share_sweep, worked_example_minibatch  # noqa: E402
-from gradnorm.lengthbias import batch_dependence, length_weights, staircase_lengths  # noqa: E402
-from gradnorm.sweeps import gradient_sweep  # noqa: E402
+from gradnorm.teach import lengthplots, plotting, views, widgets  # noqa: E402
+from gradnorm.teach.imbalance import share_sweep, worked_example_minibatch  # noqa: E402
+from gradnorm.teach.lengthbias import batch_dependence, length_weights, staircase_lengths  # noqa: E402
+from gradnorm.teach.sweeps import gradient_sweep  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DPI = 100

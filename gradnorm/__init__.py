@@ -43,7 +43,7 @@ Audit (is another trainer's loss invariant?)
                     any microbatch loss (``python -m gradnorm.audit module:function``)
 """
 
-from gradnorm.denominators import (
+from gradnorm.core.denominators import (
     MODES,
     Counts,
     Denominator,

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from gradnorm import checkpointing, hfmodels
+from gradnorm.trainer import checkpointing
+from gradnorm.models import hf as hfmodels
 from gradnorm.dist import comm
 from gradnorm.dist import state as dist_state
 

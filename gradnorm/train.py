@@ -19,17 +19,17 @@ Run it from the repository root (after ``make install`` or ``pip install -e .``)
     torchrun --standalone --nproc_per_node=8 gradnorm/train.py --model Qwen/Qwen2.5-0.5B-Instruct \\
         --prompts examples/arithmetic.jsonl --parallel fsdp --max-new-tokens 128 --lr 1e-6
 
-``--help`` documents every flag (they come from ``gradnorm.trainconfig.TrainConfig``). Rank 0
+``--help`` documents every flag (they come from ``gradnorm.trainer.trainconfig.TrainConfig``). Rank 0
 alone prints and writes ``output-dir/``: ``config.json``, ``metrics.jsonl`` (one JSON object per
 optimizer step), ``warmup.json`` and ``learning_curve.png``. Every rank writes its shards of
-``ckpt_step{N}/`` (gradnorm.checkpointing: sharded, atomic, resumable on any W and --parallel), and a
+``ckpt_step{N}/`` (gradnorm.trainer.checkpointing: sharded, atomic, resumable on any W and --parallel), and a
 Hugging Face run ends with its policy in ``final/`` (gradnorm.export, ``from_pretrained``-ready).
 
 One optimizer step (S = prompts-per-step * group-size sequences, the same for every W):
 
  1. Rollout. Prompts come from a generator seeded by (seed, step), and sequence i samples its
     tokens from uniforms seeded by (seed, step, i), so the global batch depends on the seed, the
-    step and the weights, never on W, A or the sharding (gradnorm.rollout). Under --rollouts
+    step and the weights, never on W, A or the sharding (gradnorm.trainer.rollout). Under --rollouts
     sharded (the default) each rank samples only its share of the prompt groups, with the
     unwrapped model, and one all_gather of tokens and rewards gives every rank the whole batch;
     replicated has every rank sample all of it. On CPU each process runs with --cpu-threads
@@ -49,10 +49,10 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     makes every logged statistic a global, token-weighted value comparable across W and A. It is a
     logging collective, the same in every mode, separate from the normalization's count all-reduce.
     A last tiny one (MAX of 3 floats) gives the slowest rank's phase times: where a step's time goes
-    (``gradnorm.phases``: time_rollout_s, time_forward_backward_s, ...) is logged every step.
+    (``gradnorm.trainer.phases``: time_rollout_s, time_forward_backward_s, ...) is logged every step.
     It also carries each rank's stop vote: after SIGTERM or SIGINT (to torchrun or to any one
     rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a second
-    signal exits at once (gradnorm.preemption).
+    signal exits at once (gradnorm.trainer.preemption).
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
@@ -97,16 +97,17 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm import checkpointing, export, failures, memory, phases, preemption, preflight, rundir
+from gradnorm.trainer import checkpointing, failures, memory, phases, preemption, preflight, rundir
+from gradnorm import export
 from gradnorm.dist import comm, wrap
-from gradnorm.grpo import NUM_STATS, finalize_stats, grpo_token_losses
-from gradnorm.rollout import generate_rollout
-from gradnorm.runlog import open_run_files, step_record, summarize, write_record
-from gradnorm.runstate import RunState, build_policy, load_checkpoint, resume_point, save_checkpoint, start_or_resume
-from gradnorm.scoring import score_by_length
-from gradnorm.sharding import make_plan
-from gradnorm.trainconfig import TrainConfig, parse_config
-from gradnorm.update import accumulate_gradients
+from gradnorm.core.grpo import NUM_STATS, finalize_stats, grpo_token_losses
+from gradnorm.trainer.rollout import generate_rollout
+from gradnorm.trainer.runlog import open_run_files, step_record, summarize, write_record
+from gradnorm.trainer.runstate import RunState, build_policy, load_checkpoint, resume_point, save_checkpoint, start_or_resume
+from gradnorm.trainer.scoring import score_by_length
+from gradnorm.core.sharding import make_plan
+from gradnorm.trainer.trainconfig import TrainConfig, parse_config
+from gradnorm.core.accumulate import accumulate_gradients
 
 
 class TrainingError(RuntimeError):
@@ -191,7 +192,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         # 4. Step: clip the global norm; skip the update on every rank if anything is non-finite.
         grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
-        # The logging collective; its tail carries the ranks' stop votes (gradnorm.preemption).
+        # The logging collective; its tail carries the ranks' stop votes (gradnorm.trainer.preemption).
         reduced = comm.all_reduce_sum(torch.cat([sums, preemption.votes(sums)])).cpu()
         stats = finalize_stats(reduced[:NUM_STATS], with_kl=cfg.beta > 0)
         apply_or_skip(opt, grad_norm, stats, run, step, cfg)

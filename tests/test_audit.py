@@ -23,9 +23,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm import audit, conventions
-from gradnorm.auditcli import main
-from gradnorm.grpo import grpo_token_losses
+from gradnorm.audit import probe as audit, conventions
+from gradnorm.audit.cli import main
+from gradnorm.core.grpo import grpo_token_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = audit.synthetic_minibatch(48, group_size=6, max_new_tokens=40, seed=1)
@@ -203,7 +203,7 @@ EXPECTED_EXIT = {
 
 
 def test_packing_by_tokens_is_what_skews_the_mean_of_sequence_means(capsys):
-    args = ["gradnorm.conventions:microbatch_mean_of_sequence_means", *CATALOGUE_ARGS, "--sharding"]
+    args = ["gradnorm.audit.conventions:microbatch_mean_of_sequence_means", *CATALOGUE_ARGS, "--sharding"]
     assert main([*args, "length", "interleave", "contiguous"]) == 0
     assert "equals gradnorm's `sequence`" in capsys.readouterr().out
     assert main([*args, "balanced"]) == 1
@@ -235,7 +235,7 @@ def asks_unknown(logp, old_logp, advantages, mask, beta_schedule):
 # (argv after the module, what the single error line must say): one per kind of break.
 BREAKS = {
     "unimportable module": (["no_such_package_xyz.loss:f"], "cannot import no_such_package_xyz.loss"),
-    "missing function": (["gradnorm.conventions:no_such_loss"], "has no function 'no_such_loss'"),
+    "missing function": (["gradnorm.audit.conventions:no_such_loss"], "has no function 'no_such_loss'"),
     "missing file": (["missing_dir/loss.py:f"], "no such file"),
     "raises, from a file path": (["{broken}:raises"], "raised KeyError"),
     "wrong return shape": (["{broken}:wrong_shape"], "scalar"),
@@ -243,8 +243,8 @@ BREAKS = {
     "NaN": (["{broken}:nan"], "returned nan"),
     "not differentiable": (["{broken}:detached"], "not differentiable"),
     "unknown argument": (["{broken}:asks_unknown"], "beta_schedule"),
-    "bad flag": (["gradnorm.conventions:microbatch_token_mean", "--world-size", "0"], "--world-size"),
-    "bad choice": (["gradnorm.conventions:microbatch_token_mean", "--sharding", "diagonal"], "diagonal"),
+    "bad flag": (["gradnorm.audit.conventions:microbatch_token_mean", "--world-size", "0"], "--world-size"),
+    "bad choice": (["gradnorm.audit.conventions:microbatch_token_mean", "--sharding", "diagonal"], "diagonal"),
     "no loss given": (["--world-size", "2"], "required"),
 }
 # One fresh interpreter checks the imports, then runs the command once per case exactly as
@@ -257,11 +257,11 @@ before = set(sys.modules)
 import gradnorm.audit
 added = set(sys.modules) - before
 imports = sorted(m for m in added if m.startswith(("torch.nn.parallel", "torch.distributed", "matplotlib",
-                                                   "gradnorm.dist", "gradnorm.update")))
+                                                   "gradnorm.dist", "gradnorm.core.accumulate")))
 imports += [m for m in ("torch.distributed.fsdp",) if m in sys.modules]
 runs = {}
 for case, args in json.loads(sys.argv[1]).items():
-    for name in ("gradnorm.audit", "gradnorm.auditcli"):  # every run starts as a fresh `python -m`
+    for name in ("gradnorm.audit", "gradnorm.audit.cli"):  # every run starts as a fresh `python -m`
         sys.modules.pop(name, None)
     sys.argv = ["gradnorm.audit", *args]
     out, err = io.StringIO(), io.StringIO()
@@ -291,7 +291,7 @@ def command_runs(tmp_path_factory):
     broken = tmp_path_factory.mktemp("losses") / "broken.py"
     broken.write_text(textwrap.dedent(BROKEN))
     cases = {case: [a.format(broken=broken) for a in args] for case, (args, _) in BREAKS.items()}
-    cases |= {name: [f"gradnorm.conventions:{name}", *CATALOGUE_ARGS] for name in EXPECTED_EXIT}
+    cases |= {name: [f"gradnorm.audit.conventions:{name}", *CATALOGUE_ARGS] for name in EXPECTED_EXIT}
     procs = {
         "driver": _python("-c", DRIVER, json.dumps(cases)),
         "real error": _python("-m", "gradnorm.audit", *cases["raises, from a file path"]),
@@ -346,7 +346,7 @@ def test_the_picture_shows_the_weights_it_was_given(tmp_path):
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from gradnorm import auditplot
+    from gradnorm.audit import plot as auditplot
 
     report = audit.audit(conventions.microbatch_token_mean, (2,), (2,), ("length",))
     res = report.results[-1]

@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from gradnorm import checkpointing, memory, preflight
+from gradnorm.trainer import checkpointing, memory, preflight
 from gradnorm import train as train_module
-from gradnorm.rewards import RewardError, call_reward
-from gradnorm.rundir import RunDir
+from gradnorm.tasks.rewards import RewardError, call_reward
+from gradnorm.trainer.rundir import RunDir
 from gradnorm.tasks import RepeatTask
-from gradnorm.tinygpt import GPTConfig, TinyGPT
-from gradnorm.runlog import open_metrics, write_record
-from gradnorm.runstate import RUN_FIELDS
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT
+from gradnorm.trainer.runlog import open_metrics, write_record
+from gradnorm.trainer.runstate import RUN_FIELDS
 from gradnorm.train import main
-from gradnorm.flagrules import CHANGEABLE_ON_RESUME
-from gradnorm.trainconfig import TrainConfig, field_docs, parse_config
-from gradnorm.dist.launch import torchrun_command
+from gradnorm.trainer.flagrules import CHANGEABLE_ON_RESUME
+from gradnorm.trainer.trainconfig import TrainConfig, field_docs, parse_config
+from gradnorm.teach.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "--eval-prompts", "2",
@@ -302,7 +302,7 @@ def score(response, answer):
 @pytest.mark.slow
 def test_a_user_reward_that_raises_mid_rollout_shows_its_own_frames_only(tmp_path):
     pytest.importorskip("transformers")
-    from gradnorm.hfmodels import build_tiny_llama
+    from gradnorm.models.hf import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "tiny-llama", seed=0)
     (tmp_path / "pkgs").mkdir()

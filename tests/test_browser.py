@@ -379,7 +379,7 @@ def _notebook(name):
     pytest.param("04_denominators_and_length_bias.ipynb", "wrong length", "length_bias_explorer", None, id="04"),
 ])
 def test_notebook_slider_redraws_its_plot(page, lab, tmp_path, name, description, factory, options):
-    from gradnorm import widgets
+    from gradnorm.teach import widgets
 
     relpath, stem = _notebook(name), name[:2]
     open_and_run_all(page, lab, relpath, tmp_path, stem)

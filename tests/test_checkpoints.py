@@ -43,11 +43,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.testing import assert_close
 
-from gradnorm import checkpointing
+from gradnorm.trainer import checkpointing
 from gradnorm.dist import state as dist_state
-from gradnorm.tinygpt import GPTConfig, TinyGPT
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 from gradnorm.train import main
-from gradnorm.dist.launch import torchrun_command
+from gradnorm.teach.launch import torchrun_command
 from test_reliability import TINY, Evil, assert_same_steps, metrics, one_error_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,7 +252,7 @@ def kill_while_saving(cmd: list[str], env: dict, markers: Path, world_size: int)
 def runs(tmp_path_factory):
     """{name: output dir} of the five launches, plus what the killed run left before its resume."""
     pytest.importorskip("transformers")
-    from gradnorm.hfmodels import build_tiny_llama
+    from gradnorm.models.hf import build_tiny_llama
 
     base = tmp_path_factory.mktemp("checkpoints")
     model = build_tiny_llama(base / "tiny-llama", seed=0)
@@ -328,7 +328,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_and_resume_skips
 
 
 def logprobs_of(model, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    from gradnorm.hfmodels import response_logprobs
+    from gradnorm.models.hf import response_logprobs
 
     with torch.no_grad():
         return response_logprobs(model.eval(), tokens, prompt_len)[0]
@@ -339,7 +339,7 @@ def test_the_exported_policy_reloads_with_transformers_and_scores_like_the_train
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gradnorm import export
-    from gradnorm.hfmodels import load_causal_lm, load_tokenizer
+    from gradnorm.models.hf import load_causal_lm, load_tokenizer
 
     final = runs["fsdp2"] / "final"
     assert (final / "model.safetensors").exists() and not list(final.glob("*.bin"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.denominators import (
+from gradnorm.core.denominators import (
     Counts,
     count_tokens,
     mask_from_lengths,

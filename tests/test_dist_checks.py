@@ -1,9 +1,9 @@
-"""One optimizer step on real gloo processes against its in-process simulation (``gradnorm.dist.checks``)."""
+"""One optimizer step on real gloo processes against its in-process simulation (``gradnorm.teach.checks``)."""
 
 import pytest
 
-from gradnorm.dist.checks import ddp_check
-from gradnorm.sweeps import ragged_lengths
+from gradnorm.teach.checks import ddp_check
+from gradnorm.teach.sweeps import ragged_lengths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

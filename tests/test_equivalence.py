@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.denominators import WEIGHT_FNS
-from gradnorm.dist.harness import Case, run_ddp
-from gradnorm.toy import DEFAULT_LENGTHS, make_policy, make_problem, token_losses
-from gradnorm.sharding import SHARD_KINDS, make_plan, tokens_per_rank
-from gradnorm.simulate import simulated_gradient
+from gradnorm.core.denominators import WEIGHT_FNS
+from gradnorm.teach.harness import Case, run_ddp
+from gradnorm.teach.toy import DEFAULT_LENGTHS, make_policy, make_problem, token_losses
+from gradnorm.core.sharding import SHARD_KINDS, make_plan, tokens_per_rank
+from gradnorm.core.simulate import simulated_gradient
 
 INVARIANT = ["token", "sequence", "group", 37.0]
 MODES = INVARIANT + ["local"]

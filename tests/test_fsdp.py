@@ -16,7 +16,7 @@ import torch
 from test_equivalence import EMPTY, INVARIANT, MODES, oracle_gradient
 from torch.testing import assert_close
 
-from gradnorm.dist.harness import Case, run_ddp
+from gradnorm.teach.harness import Case, run_ddp
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6")
 

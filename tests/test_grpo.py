@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.grpo import (
+from gradnorm.core.grpo import (
     clipped_surrogate,
     entropy_from_logits,
     finalize_stats,

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 pytest.importorskip("transformers")
 
-from gradnorm.hfmodels import (  # noqa: E402
+from gradnorm.models.hf import (  # noqa: E402
     build_tiny_llama,
     build_tiny_qwen2,
     generate,
@@ -28,7 +28,7 @@ from gradnorm.hfmodels import (  # noqa: E402
     require_transformers,
     response_logprobs,
 )
-from gradnorm.prompts import PromptTask  # noqa: E402
+from gradnorm.tasks.prompts import PromptTask  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.jsonl"
 

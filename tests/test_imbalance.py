@@ -1,4 +1,4 @@
-"""Token imbalance without a model (``gradnorm.imbalance``), against values worked out by hand.
+"""Token imbalance without a model (``gradnorm.teach.imbalance``), against values worked out by hand.
 
 Each view comes with a control that must fail: ``local`` must differ from ``token`` when
 microbatch token counts are ragged and agree with it when they are balanced, so a test that cannot
@@ -12,9 +12,9 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
-from gradnorm import imbalance
-from gradnorm.denominators import mask_from_lengths
-from gradnorm.sharding import make_plan
+from gradnorm.teach import imbalance
+from gradnorm.core.denominators import mask_from_lengths
+from gradnorm.core.sharding import make_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

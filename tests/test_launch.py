@@ -1,4 +1,4 @@
-"""Launching the trainer (``gradnorm.dist.launch``): the one torchrun command line, checked without a launch.
+"""Launching the trainer (``gradnorm.teach.launch``): the one torchrun command line, checked without a launch.
 
 Real launches run in notebook 03 and in the trainer's end-to-end tests.
 """
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gradnorm.dist import launch
+from gradnorm.teach import launch
 
 
 def test_train_run_points_at_the_trainer():

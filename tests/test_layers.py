@@ -20,12 +20,12 @@ PACKAGE = ROOT / "gradnorm"
 
 # Everything the notebooks, the widgets and the figure script import from gradnorm.
 NOTEBOOK_FACING = (
-    "gradnorm.toy", "gradnorm.modes", "gradnorm.imbalance", "gradnorm.sweeps", "gradnorm.lengthbias",
-    "gradnorm.runs", "gradnorm.plotting", "gradnorm.lengthplots", "gradnorm.widgets", "gradnorm.curves",
-    "gradnorm.simulate", "gradnorm.worked_example",
+    "gradnorm.teach.toy", "gradnorm.core.modes", "gradnorm.teach.imbalance", "gradnorm.teach.sweeps", "gradnorm.teach.lengthbias",
+    "gradnorm.teach.runs", "gradnorm.teach.plotting", "gradnorm.teach.lengthplots", "gradnorm.teach.widgets", "gradnorm.trainer.curves",
+    "gradnorm.core.simulate", "gradnorm.teach.worked_example",
 )
 # The distributed shell and what it wraps: none of it may come with a notebook's imports.
-SHELL = ("gradnorm.dist", "gradnorm.update", "torch.nn.parallel.distributed", "torch.distributed.fsdp")
+SHELL = ("gradnorm.dist", "gradnorm.core.accumulate", "torch.nn.parallel.distributed", "torch.distributed.fsdp")
 
 MAX_LINES = 350
 # Files over MAX_LINES that are being split elsewhere; each may not grow, and must leave this list
@@ -60,8 +60,8 @@ def test_the_notebooks_imports_load_no_distributed_code():
 
 def test_control_the_harness_imports_the_shell():
     # The same check must trip on the multi-process harness ...
-    loaded = added_by_import("gradnorm.dist.harness")
-    assert {"gradnorm.dist", "gradnorm.dist.comm", "gradnorm.dist.wrap", "gradnorm.update"} <= set(
+    loaded = added_by_import("gradnorm.teach.harness")
+    assert {"gradnorm.dist", "gradnorm.dist.comm", "gradnorm.dist.wrap", "gradnorm.core.accumulate"} <= set(
         shell_modules(loaded))
     # ... and on FSDP, which the harness imports only when asked for it: the name is not one that
     # a bare `import torch` loads, so its absence above means something.

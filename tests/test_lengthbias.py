@@ -1,4 +1,4 @@
-"""Length bias (``gradnorm.lengthbias``): how each exact denominator weighs long and short responses.
+"""Length bias (``gradnorm.teach.lengthbias``): how each exact denominator weighs long and short responses.
 
 Every view is checked on a case small enough to do on paper, with its control: equal lengths make
 the length bias of ``sequence`` disappear.
@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 from numpy.testing import assert_allclose
 
-from gradnorm import lengthbias
+from gradnorm.teach import lengthbias
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

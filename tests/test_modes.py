@@ -1,9 +1,9 @@
-"""The notebooks' mode names (``gradnorm.modes``): the core's modes plus Dr GRPO's "constant"."""
+"""The notebooks' mode names (``gradnorm.core.modes``): the core's modes plus Dr GRPO's "constant"."""
 
 import pytest
 
-from gradnorm import modes
-from gradnorm.denominators import MODES
+from gradnorm.core import modes
+from gradnorm.core.denominators import MODES
 
 
 def test_mode_names_are_the_core_modes_and_the_constant():
@@ -21,9 +21,9 @@ def test_resolve_and_dr_grpo_constant():
 
 def test_every_table_keyed_by_mode_or_sharding_covers_its_vocabulary():
     pytest.importorskip("matplotlib")
-    from gradnorm import plotting
-    from gradnorm.sharding import SHARD_KINDS
-    from gradnorm.sweeps import DPO_MODES
+    from gradnorm.teach import plotting
+    from gradnorm.core.sharding import SHARD_KINDS
+    from gradnorm.teach.sweeps import DPO_MODES
 
     assert set(modes.MODE_NAMES) | set(DPO_MODES) <= set(plotting.MODE_COLORS)
     assert set(DPO_MODES.values()) <= set(MODES)
@@ -35,8 +35,9 @@ def test_one_palette_whose_families_never_share_a_colour():
     pytest.importorskip("matplotlib")
     from matplotlib.colors import to_hex
 
-    from gradnorm import auditplot, lengthplots, palette, plotting, views
-    from gradnorm.sharding import SHARD_KINDS
+    from gradnorm.audit import plot as auditplot
+    from gradnorm.teach import lengthplots, palette, plotting, views
+    from gradnorm.core.sharding import SHARD_KINDS
 
     modes = {to_hex(palette.MODE_COLORS[m]) for m in modes_of_the_palette()}
     ranks = {to_hex(c) for c in palette.RANK_COLORS}

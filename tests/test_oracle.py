@@ -19,10 +19,10 @@ sequences without tokens, one where every sequence has tokens):
 import pytest
 import torch
 
-from gradnorm import denominators
-from gradnorm.sharding import SHARD_KINDS, make_plan
-from gradnorm.simulate import effective_weights, simulated_gradient
-from gradnorm.toy import DEFAULT_LENGTHS, make_policy, make_problem, token_losses
+from gradnorm.core import denominators
+from gradnorm.core.sharding import SHARD_KINDS, make_plan
+from gradnorm.core.simulate import effective_weights, simulated_gradient
+from gradnorm.teach.toy import DEFAULT_LENGTHS, make_policy, make_problem, token_losses
 from longhand import longhand_weights  # tests/longhand.py
 
 MODES = ["local", "token", "sequence", "group", 37.0]

@@ -39,6 +39,6 @@ def test_no_module_shadows_a_standard_or_installed_module():
 
 
 def test_worked_example_runs():
-    out = subprocess.run([sys.executable, "-m", "gradnorm.worked_example"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "gradnorm.teach.worked_example"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
     assert "local" in out and "1/12" in out and "1/41" in out

@@ -1,6 +1,6 @@
 """Preemption: SIGTERM and SIGINT finish the step, checkpoint, exit with 143 or 130, and lose nothing.
 
-What must hold (gradnorm/preemption.py; the trainer's use of it is four lines in train.py):
+What must hold (gradnorm/trainer/preemption.py; the trainer's use of it is four lines in train.py):
 - a signal inside ``catch_signals`` only records a request (no KeyboardInterrupt, the process goes
   on); the handlers before it are back afterwards; ``agreed`` picks the same signal on every rank;
 - a second signal exits at once (143, one line) even while the main thread is blocked in C++
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm import checkpointing, preemption
-from gradnorm.runlog import TIMING_KEYS
+from gradnorm.trainer import checkpointing, preemption
+from gradnorm.trainer.runlog import TIMING_KEYS
 from gradnorm.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,8 +83,8 @@ def test_stopped_names_the_signal_the_step_and_the_exit_code(tmp_path):
 BLOCKED = """
 import datetime, os, signal, sys, time
 import torch.distributed as dist
-from gradnorm import preemption
-from gradnorm.dist.harness import free_port
+from gradnorm.trainer import preemption
+from gradnorm.dist.spawn import free_port
 with preemption.catch_signals():
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)  # a copy of the same stop, as SLURM + torchrun deliver it

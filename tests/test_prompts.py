@@ -1,7 +1,7 @@
 """The JSONL prompt task: one-line errors for bad files, the exact-match reward, left padding.
 
 The file and the reward are plain Python; the task itself needs a tokenizer, for which the tiny
-character-level one of ``gradnorm.hfmodels`` stands in (built locally, no download).
+character-level one of ``gradnorm.models.hf`` stands in (built locally, no download).
 """
 
 import json
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.prompts import PromptTask, load_prompts
-from gradnorm.rewards import exact_match_math, extract_answer, get_reward
+from gradnorm.tasks.prompts import PromptTask, load_prompts
+from gradnorm.tasks.rewards import exact_match_math, extract_answer, get_reward
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.jsonl"
 
@@ -100,7 +100,7 @@ def test_rewards_are_pluggable_by_name_or_import_path(monkeypatch):
 @pytest.fixture(scope="module")
 def tokenizer():
     pytest.importorskip("transformers")
-    from gradnorm.hfmodels import build_tiny_tokenizer
+    from gradnorm.models.hf import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 

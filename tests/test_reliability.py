@@ -27,15 +27,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm import checkpointing
+from gradnorm.trainer import checkpointing
 from gradnorm.dist import state as dist_state
-from gradnorm import rollout as rollout_module
+from gradnorm.trainer import rollout as rollout_module
 from gradnorm import train as train_module
-from gradnorm.rollout import check_rewards
+from gradnorm.trainer.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
-from gradnorm.runlog import TIMING_KEYS
+from gradnorm.trainer.runlog import TIMING_KEYS
 from gradnorm.train import main
-from gradnorm.dist.launch import torchrun_command
+from gradnorm.teach.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

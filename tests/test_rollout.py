@@ -19,11 +19,11 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm.dist import wrap
-from gradnorm.dist.harness import spawn_gloo
-from gradnorm.rollout import generate_rollout, group_split, sequence_uniforms
-from gradnorm.sampling import NonFiniteLogitsError, decode, sample_next
+from gradnorm.dist.spawn import spawn_gloo
+from gradnorm.trainer.rollout import generate_rollout, group_split, sequence_uniforms
+from gradnorm.models.sampling import NonFiniteLogitsError, decode, sample_next
 from gradnorm.tasks import CharTokenizer, RepeatTask
-from gradnorm.tinygpt import GPTConfig, TinyGPT, generate
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT, generate
 
 V, P, R = 21, 5, 20
 PAD, EOS = 0, 2
@@ -213,7 +213,7 @@ def test_sharded_generation_with_uneven_finish_gathers_the_one_process_batch():
 
 def test_rollouts_flag_takes_sharded_or_replicated_and_rejects_anything_else(capsys):
     from gradnorm.train import main
-    from gradnorm.trainconfig import parse_config
+    from gradnorm.trainer.trainconfig import parse_config
 
     assert parse_config([]).rollouts == "sharded"
     assert parse_config(["--rollouts", "replicated"]).rollouts == "replicated"

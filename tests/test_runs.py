@@ -1,11 +1,11 @@
-"""Reading training runs (``gradnorm.runs``) back from files a run writes; no trainer is launched."""
+"""Reading training runs (``gradnorm.teach.runs``) back from files a run writes; no trainer is launched."""
 
 import json
 
 import numpy as np
 from numpy.testing import assert_allclose
 
-from gradnorm import runs
+from gradnorm.teach import runs
 
 
 def fake_run(tmp_path, name, denominator, shard, digests, grad_norms, tokens_per_rank):

@@ -40,9 +40,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm import checkpointing, export
+from gradnorm.trainer import checkpointing
+from gradnorm import export
 from gradnorm.dist import state as dist_state
-from gradnorm.tinygpt import GPTConfig, TinyGPT
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 from test_reliability import one_error_line
 
 
@@ -161,7 +162,7 @@ def test_the_pickled_objects_beside_the_tensors_are_never_unpickled(tmp_path):
 
 def test_a_poisoned_hugging_face_model_never_runs_its_payload(tmp_path):
     pytest.importorskip("transformers")
-    from gradnorm import hfmodels
+    from gradnorm.models import hf as hfmodels
 
     target = tmp_path / "PWNED"
     model_dir = hfmodels.build_tiny_llama(tmp_path / "tiny-llama", seed=0)

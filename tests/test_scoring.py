@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.denominators import mask_from_lengths
-from gradnorm.scoring import length_chunks, score_by_length
-from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs
+from gradnorm.core.denominators import mask_from_lengths
+from gradnorm.trainer.scoring import length_chunks, score_by_length
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
 
 P, R, V = 4, 12, 11
 

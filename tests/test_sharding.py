@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gradnorm.sharding import SHARD_KINDS, make_plan, tokens_per_rank, validate_plan
+from gradnorm.core.sharding import SHARD_KINDS, make_plan, tokens_per_rank, validate_plan
 
 LENGTHS = torch.tensor([5, 1, 8, 2, 7, 3, 6, 4])
 

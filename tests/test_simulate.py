@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.toy import DEFAULT_LENGTHS
-from gradnorm.sharding import SHARD_KINDS, make_plan
-from gradnorm.simulate import effective_weights, simulated_counts
+from gradnorm.teach.toy import DEFAULT_LENGTHS
+from gradnorm.core.sharding import SHARD_KINDS, make_plan
+from gradnorm.core.simulate import effective_weights, simulated_counts
 
 LENGTHS = torch.tensor(DEFAULT_LENGTHS)
 MASK = torch.arange(12) < LENGTHS.unsqueeze(-1)

@@ -1,4 +1,4 @@
-"""Gradient sweeps (``gradnorm.sweeps``): every mode's sharded gradient against the full batch.
+"""Gradient sweeps (``gradnorm.teach.sweeps``): every mode's sharded gradient against the full batch.
 
 GRPO's loss, SFT's cross-entropy and DPO's mean over pairs, on ``toy``'s policy. Each sweep comes
 with its control: at imbalance 1 (balanced microbatches) ``local`` is exact, and it must not be as
@@ -12,9 +12,9 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
-from gradnorm import sweeps
-from gradnorm.imbalance import token_layout
-from gradnorm.modes import INVARIANT_MODES
+from gradnorm.teach import sweeps
+from gradnorm.teach.imbalance import token_layout
+from gradnorm.core.modes import INVARIANT_MODES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -82,7 +82,7 @@ def test_packed_pairs_by_hand():
 
 
 def test_dpo_pair_losses_longhand():
-    from gradnorm.toy import make_policy, make_problem
+    from gradnorm.teach.toy import make_policy, make_problem
     from torch.nn.functional import logsigmoid
 
     problem = make_problem(lengths=[3, 5, 2, 4], group_size=2, max_len=6)

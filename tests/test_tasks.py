@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gradnorm.tasks import CharTokenizer, RepeatTask
-from gradnorm.tinygpt import GPTConfig, TinyGPT, generate, token_logprobs_and_entropy
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT, generate, token_logprobs_and_entropy
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradnorm.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs, token_logprobs_and_entropy
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT, generate, response_logprobs, token_logprobs_and_entropy
 
 V, BLOCK, P = 21, 25, 5
 PAD, EOS = 0, 2

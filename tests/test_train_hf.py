@@ -25,8 +25,8 @@ from torch.testing import assert_close
 
 pytest.importorskip("transformers")
 
-from gradnorm.hfmodels import build_tiny_llama  # noqa: E402
-from gradnorm.dist.launch import torchrun_command
+from gradnorm.models.hf import build_tiny_llama  # noqa: E402
+from gradnorm.teach.launch import torchrun_command
 
 pytestmark = pytest.mark.slow
 

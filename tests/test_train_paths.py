@@ -38,11 +38,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm import checkpointing
-from gradnorm.runlog import TIMING_KEYS
-from gradnorm.runstate import build_policy, warm_up
+from gradnorm.trainer import checkpointing
+from gradnorm.trainer.runlog import TIMING_KEYS
+from gradnorm.trainer.runstate import build_policy, warm_up
 from gradnorm.train import main
-from gradnorm.trainconfig import parse_config
+from gradnorm.trainer.trainconfig import parse_config
 from test_bad_input_runtime import every_file
 from test_reliability import one_error_line
 
@@ -86,7 +86,7 @@ def continued(base: Path, source: str, name: str, *flags: str) -> Path:
     out = base / name
     out.mkdir()
     # A bare checkpoint, without config.json, resumes without comparing the flags: the local control
-    # changes A and the sharding, which a --resume of a local run refuses (gradnorm.flagrules).
+    # changes A and the sharding, which a --resume of a local run refuses (gradnorm.trainer.flagrules).
     shutil.copytree(base / source / "ckpt_step1", out / "ckpt_step1")
     shutil.copy(base / source / "metrics.jsonl", out)
     torchrun(out, "--steps", "2", "--resume", *SHARDED, *flags)

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm import checkpointing
-from gradnorm.curves import plot_learning_curve, write_learning_curve
+from gradnorm.trainer import checkpointing
+from gradnorm.trainer.curves import plot_learning_curve, write_learning_curve
 from gradnorm.dist import state as dist_state
-from gradnorm.runs import moving_average
-from gradnorm.rollout import generate_rollout, response_mask, seeded_generator
-from gradnorm.sharding import make_plan
+from gradnorm.teach.runs import moving_average
+from gradnorm.trainer.rollout import generate_rollout, response_mask, seeded_generator
+from gradnorm.core.sharding import make_plan
 from gradnorm.tasks import RepeatTask
-from gradnorm.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainconfig import TrainConfig, build_parser, field_docs, parse_config
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT
+from gradnorm.trainer.trainconfig import TrainConfig, build_parser, field_docs, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -20,13 +20,13 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm.dist import comm, wrap
-from gradnorm.dist.harness import spawn_gloo
-from gradnorm.grpo import grpo_token_losses
-from gradnorm.rollout import generate_rollout
-from gradnorm.sharding import make_plan
+from gradnorm.dist.spawn import spawn_gloo
+from gradnorm.core.grpo import grpo_token_losses
+from gradnorm.trainer.rollout import generate_rollout
+from gradnorm.core.sharding import make_plan
 from gradnorm.tasks import RepeatTask
-from gradnorm.tinygpt import GPTConfig, TinyGPT, response_logprobs
-from gradnorm.update import accumulate_gradients
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
+from gradnorm.core.accumulate import accumulate_gradients
 from longhand import longhand_weights  # tests/longhand.py
 
 BETA, CONSTANT = 0.04, 333.0

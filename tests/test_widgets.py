@@ -2,7 +2,7 @@
 
 Each test builds an explorer, moves a control the way a reader would (setting its ``value``), and
 checks that the drawn data (bar bounds, line data) and the readout changed as the math says, by
-recomputing the expected numbers with ``gradnorm.imbalance`` and ``gradnorm.runs``. Pixels are
+recomputing the expected numbers with ``gradnorm.teach.imbalance`` and ``gradnorm.teach.runs``. Pixels are
 compared in one place only: a frame the in-place canvas blits must equal the same figure drawn
 from scratch (``test_blitted_frames_equal_full_redraws``), so caching never shows a stale picture.
 """
@@ -14,10 +14,10 @@ from numpy.testing import assert_allclose
 pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
-from gradnorm import widgets  # noqa: E402
-from gradnorm.imbalance import batch_rank_shares, imbalanced_minibatch, token_layout  # noqa: E402
-from gradnorm.runs import load_run  # noqa: E402
-from gradnorm.widgets import bar_heights  # noqa: E402
+from gradnorm.teach import widgets  # noqa: E402
+from gradnorm.teach.imbalance import batch_rank_shares, imbalanced_minibatch, token_layout  # noqa: E402
+from gradnorm.teach.runs import load_run  # noqa: E402
+from gradnorm.teach.widgets import bar_heights  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -137,7 +137,7 @@ def gradient_explorer():
 
 
 def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
-    from gradnorm.views import LOG_FLOOR
+    from gradnorm.teach.views import LOG_FLOOR
 
     explorer = gradient_explorer
     explorer.update(mode="local", shard="length", imbalance=12.0)
@@ -192,7 +192,7 @@ def test_training_curves_draw_the_trailing_average(tmp_path):
 
     import matplotlib.figure
 
-    from gradnorm import plotting
+    from gradnorm.teach import plotting
 
     out = tmp_path / "run"
     out.mkdir()
@@ -211,7 +211,7 @@ def test_training_curves_draw_the_trailing_average(tmp_path):
 
 
 def test_axis_limits_sit_on_a_ladder_of_round_numbers():
-    from gradnorm.views import nice_ceiling
+    from gradnorm.teach.views import nice_ceiling
 
     assert [nice_ceiling(x) for x in (0.0, 1.0, 1.1, 2.0, 3.58, 9.3, 20.1)] == [1.0, 1.0, 1.25, 2.0, 4.0, 10.0, 25.0]
     assert nice_ceiling(1.3e-16) == pytest.approx(1.5e-16)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradnorm.denominators import Counts, Denominator, needs_global_counts, rank_count_vector
+from gradnorm.core.denominators import Counts, Denominator, needs_global_counts, rank_count_vector
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,302 @@
+"""Does my trainer have this bug? Measure the effective token weights of any microbatch loss.
+
+    python -m gradnorm.audit package.module:function --world-size 8 --accum-steps 4
+    python -m gradnorm.audit my_loss.py:function --sharding length balanced --scale-by-accum
+
+Method. The per-token log-probs are a leaf tensor. The user's microbatch loss runs under a
+simulated (W, A, sharding): the trainer's accumulation convention (backward as returned, or
+divided by A), gradients added over a rank's microbatches, then DDP's mean (or sum) over ranks,
+the arithmetic of ``gradnorm.core.simulate``. On policy (old_logp = ref_logp = logp, so rho = 1, the
+clip is inactive and a k2/k3 KL has zero gradient) the surrogate -rho * A_i has derivative -A_i,
+so the reduced gradient g of one optimizer step gives each token's weight in J exactly:
+
+    g[i, t] = -A_i * w[i, t]      =>      w[i, t] = -(g(+A) - g(-A))[i, t] / (2 * A_i)
+
+Running with both signs of the advantages cancels any gradient that does not scale with them (a
+k1 KL, an entropy bonus); its size is reported as ``residual``. No line of the loss is read.
+
+The contract of ``loss_fn(logp, old_logp, advantages, mask, **asked)`` -> a scalar tensor, the
+loss of one microbatch of n sequences: ``logp`` (n, T) float64, the leaf; ``old_logp`` (n, T);
+``advantages`` (n,); ``mask`` (n, T) bool, the response tokens. Only the keywords it names in
+its signature are passed (``COUNTS``): the global counts a fixed trainer all-reduces.
+
+This module is pure (no torch.distributed, no processes): ``audit`` returns a ``Report``;
+``gradnorm.audit.cli`` is the command and ``gradnorm.audit.plot`` draws the weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from gradnorm.core.grpo import group_advantages
+from gradnorm.core.sharding import SHARD_KINDS, Plan, make_plan, validate_plan
+from gradnorm.core.simulate import effective_weights, simulated_counts
+
+COUNTS = {
+    "ref_logp": "(n, T) reference log-probs; equal to logp here, so a k2/k3 KL has zero gradient",
+    "num_tokens": "N: response tokens of the whole minibatch (all ranks, all microbatches)",
+    "num_sequences": "S: sequences of the minibatch with at least one response token",
+    "num_groups": "Ga: prompt groups of the minibatch with at least one response token",
+    "group_tokens": "(n,) int64: N_g(i), the minibatch's token count of each sequence's group",
+    "group_ids": "(n,) int64: the global prompt-group index of each sequence",
+    "world_size": "W: data-parallel ranks",
+    "accum_steps": "A: microbatches per rank per optimizer step",
+}
+MODES = ("local", "token", "sequence", "group", "constant")  # compared in this order
+
+
+class ContractError(ValueError):
+    """The loss cannot be audited: unimportable, or it breaks the contract. One line, no traceback."""
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """The synthetic ragged GRPO minibatch every loss is audited on (S sequences, T positions)."""
+
+    logp: Tensor  # (S, T) float64, also on padding, where a loss that ignores the mask reads it
+    mask: Tensor  # (S, T) bool, the first |o_i| positions of each row
+    advantages: Tensor  # (S,) float64, |A_i| >= 0.1, both signs in every group
+    group_ids: Tensor  # (S,) int64, consecutive groups of group_size completions
+    group_size: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.mask) // self.group_size
+
+
+def synthetic_minibatch(num_sequences: int, group_size: int = 8, max_new_tokens: int = 64, seed: int = 0) -> Minibatch:
+    """Groups of G completions with lengths log-uniform in [1, T], so every group is ragged."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(num_sequences, generator=gen, dtype=torch.float64)
+    lengths = torch.exp(u * math.log(max_new_tokens)).round().long().clamp(1, max_new_tokens)  # (S,)
+    logp = -(0.05 + 3.0 * torch.rand(num_sequences, max_new_tokens, generator=gen, dtype=torch.float64))
+    adv = group_advantages(torch.rand(num_sequences, generator=gen, dtype=torch.float64), group_size)
+    adv = torch.where(adv >= 0, adv.clamp(min=0.1), adv.clamp(max=-0.1))  # nonzero: w = -g / A
+    return Minibatch(logp=logp, mask=torch.arange(max_new_tokens) < lengths.unsqueeze(-1), advantages=adv,
+                     group_ids=torch.arange(num_sequences) // group_size, group_size=group_size)
+
+
+def minibatch_size(layouts: Sequence[int], group_size: int) -> int:
+    """The smallest S that splits into whole groups and every W*A, with >= 2 sequences a microbatch."""
+    step = math.lcm(group_size, *layouts)
+    return step * math.ceil(max(2 * max(layouts), 2 * group_size) / step)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+def load_loss(spec: str) -> Callable:
+    """``package.module:function`` or ``path/to/file.py:function`` -> the function."""
+    where, sep, name = spec.rpartition(":")
+    if not (sep and where and name):
+        raise ContractError(f"expected package.module:function or file.py:function, got {spec!r}")
+    try:
+        if where.endswith(".py") or "/" in where:
+            if not Path(where).is_file():
+                raise ContractError(f"no such file: {where}")
+            module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ContractError:
+        raise
+    except Exception as err:  # whatever the user's module raises on import
+        raise ContractError(f"cannot import {where}: {_one_line(err)}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ContractError(f"{where} has no function {name!r}")
+    return fn
+
+
+@dataclass(frozen=True)
+class Convention:
+    """The outer loop around the user's microbatch loss."""
+
+    scale_by_accum: bool = False
+    """Whether the trainer divides each microbatch's returned loss by A before backward."""
+    reduction: str = "mean"
+    """How gradients combine over ranks: "mean" (DDP, FSDP) or "sum"."""
+
+
+def _call(loss_fn, batch: Minibatch, plan: Plan, advantages: Tensor, convention: Convention) -> Tensor:
+    """g (S, T): the reduced gradient of one optimizer step with respect to every token's logp."""
+    world_size, accum_steps = len(plan), len(plan[0])
+    counts = simulated_counts(plan, batch.mask.sum(-1), batch.group_ids, batch.num_groups)
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError) as err:
+        raise ContractError(f"cannot read the loss's signature: {_one_line(err)}") from None
+    grad = torch.zeros_like(batch.logp)
+    for r, rank in enumerate(plan):
+        for m, mb in enumerate(rank):  # gradient accumulation: microbatch gradients add up
+            leaf = batch.logp[mb].clone().requires_grad_(True)  # (n, T) ALGO LOGIC: the leaf we read
+            offered = {
+                "ref_logp": leaf.detach().clone(), "num_tokens": counts.tokens, "num_sequences": counts.sequences,
+                "num_groups": counts.active_groups, "group_tokens": counts.group_tokens[batch.group_ids[mb]],
+                "group_ids": batch.group_ids[mb], "world_size": world_size, "accum_steps": accum_steps,
+            }
+            asked = {k: v for k, v in offered.items() if k in signature.parameters}
+            where = f"(W={world_size} A={accum_steps}, rank {r}, microbatch {m})"
+            try:
+                signature.bind(leaf, leaf.detach().clone(), advantages[mb], batch.mask[mb], **asked)
+            except TypeError as err:
+                raise ContractError(f"the loss cannot take the audit's arguments ({err}); it gets logp, old_logp, "
+                                    f"advantages, mask and, by name, any of: {', '.join(COUNTS)}") from None
+            try:
+                loss = loss_fn(leaf, leaf.detach().clone(), advantages[mb], batch.mask[mb], **asked)
+            except Exception as err:
+                raise ContractError(f"the loss raised {_one_line(err)} {where}") from None
+            if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+                got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
+                raise ContractError(f"the loss must return a scalar float tensor, got {got} {where}")
+            if not torch.isfinite(loss).all():
+                raise ContractError(f"the loss returned {loss.item()} {where}")
+            if not loss.requires_grad:
+                raise ContractError(f"the loss is not differentiable in logp (no gradient) {where}")
+            if convention.scale_by_accum:
+                loss = loss / accum_steps
+            try:
+                (g,) = torch.autograd.grad(loss.reshape(()), leaf, allow_unused=True)
+            except RuntimeError as err:
+                raise ContractError(f"backward through the loss failed: {_one_line(err)} {where}") from None
+            if g is None:
+                raise ContractError(f"the loss is not differentiable in logp (no gradient) {where}")
+            if not torch.isfinite(g).all():
+                raise ContractError(f"the loss has a NaN or inf gradient {where}")
+            grad[mb] += g
+    return grad / world_size if convention.reduction == "mean" else grad  # DDP's mean over ranks
+
+
+@dataclass
+class Result:
+    """The weights of one configuration, and each rank's share of the update."""
+
+    label: str
+    plan: Plan
+    weights: Tensor  # (S, T) float64: w[i, t], the token's weight in J (0 where the loss ignores it)
+    residual: Tensor  # (S, T): the gradient part that does not scale with the advantages
+    change: float = 0.0  # the largest relative change of a token's weight against the reference
+    update_share: Tensor = field(default=None)  # (W,) each rank's share of sum w
+    token_share: Tensor = field(default=None)  # (W,) each rank's share of the response tokens
+
+    @property
+    def world_size(self) -> int:
+        return len(self.plan)
+
+    @property
+    def accum_steps(self) -> int:
+        return len(self.plan[0])
+
+
+def measure(loss_fn, batch: Minibatch, plan: Plan, convention: Convention = Convention(), label: str = "") -> Result:
+    """The effective weight w[i, t] of every token of ``batch`` under ``plan`` (see the module docstring)."""
+    validate_plan(plan, len(batch.mask))
+    plus = _call(loss_fn, batch, plan, batch.advantages, convention)
+    minus = _call(loss_fn, batch, plan, -batch.advantages, convention)
+    adv = batch.advantages.unsqueeze(-1)  # (S, 1)
+    ranks = [torch.cat(list(rank)) for rank in plan]
+    weights = -(plus - minus) / (2 * adv)
+    total = weights.sum()
+    update = torch.stack([weights[idx].sum() for idx in ranks]) / (total if total != 0 else 1.0)
+    tokens = torch.stack([batch.mask[idx].sum() for idx in ranks]).double() / batch.mask.sum()
+    return Result(label, plan, weights, (plus + minus) / 2, update_share=update, token_share=tokens)
+
+
+@dataclass
+class Report:
+    """The audit of one loss: its weights under every configuration, and the verdict."""
+
+    name: str
+    batch: Minibatch
+    convention: Convention
+    results: list[Result]  # results[0] is the reference: one process, one microbatch
+    distance: dict[str, float]  # mode -> max |w - w_mode| / max |w_mode| over every configuration
+    constant: float  # C fitted to the reference: N / sum w (inf when sum w <= 0)
+    change: float  # the largest relative change of any token's weight across configurations
+    leak: float  # the largest share of |w| on tokens outside the mask
+    residual: float  # max |gradient not scaling with A| / max |A * w|, the surrogate's gradient
+    tol: float
+
+    @property
+    def matches(self) -> list[str]:
+        return [m for m in MODES if self.distance[m] <= self.tol]
+
+    @property
+    def equals(self) -> str | None:
+        """The first gradnorm mode whose weights these are, under every configuration, or None."""
+        return self.matches[0] if self.matches else None
+
+    @property
+    def invariant(self) -> bool:
+        """Every token's weight is the same under every configuration, to ``tol``."""
+        return self.change <= self.tol
+
+    @property
+    def leaks(self) -> bool:
+        """Some weight falls on tokens outside the mask (padding, prompt)."""
+        return self.leak > self.tol
+
+    @property
+    def exit_code(self) -> int:
+        """The command's status: 0 invariant and masked, 1 skewed or leaking."""
+        return 0 if self.invariant and not self.leaks else 1
+
+
+def audit_plans(loss_fn, batch: Minibatch, plans: dict[str, Plan] | Sequence[tuple[str, Plan]],
+                convention: Convention = Convention(), name: str = "loss", tol: float = 1e-6) -> Report:
+    """Audit ``loss_fn`` under every (label, plan); the first is the reference the others are compared with."""
+    pairs = plans.items() if isinstance(plans, dict) else plans
+    results = [measure(loss_fn, batch, plan, convention, label) for label, plan in pairs]
+    ref = results[0].weights
+    scale = ref.abs().max()
+    if scale == 0:
+        raise ContractError("the loss has zero gradient in logp: no token has any weight")
+    floor = torch.where(ref.abs() > 1e-12 * scale, ref.abs(), scale)  # relative per token, w = 0 against the largest
+    for res in results:
+        res.change = float(((res.weights - ref).abs() / floor).max())
+    inside = float(ref[batch.mask].sum())
+    constant = float(batch.mask.sum()) / inside if inside > 0 else math.inf  # C = N / sum w: 1/C per token
+    distance = {}
+    for mode in MODES:
+        gaps = []
+        for res in results:
+            if mode == "constant" and not math.isfinite(constant):
+                gaps.append(math.inf)
+                continue
+            den = constant if mode == "constant" else mode
+            expected = effective_weights(batch.mask, batch.group_ids, batch.num_groups, den, res.plan)  # (S, T)
+            gaps.append(float((res.weights - expected).abs().max() / expected.abs().max()))
+        distance[mode] = max(gaps)
+    leak = max(float(r.weights[~batch.mask].abs().sum() / r.weights.abs().sum()) for r in results)
+    adv = batch.advantages.unsqueeze(-1)  # (S, 1)
+    residual = max(float(r.residual.abs().max()) for r in results) / max(
+        float((r.weights * adv).abs().max()) for r in results)
+    return Report(name, batch, convention, results, distance, constant, max(r.change for r in results), leak,
+                  residual, tol)
+
+
+def audit(loss_fn, world_sizes: Sequence[int] = (8,), accum_steps: Sequence[int] = (4,),
+          shardings: Sequence[str] = SHARD_KINDS, convention: Convention = Convention(), group_size: int = 8,
+          max_new_tokens: int = 64, seed: int = 0, name: str | None = None, tol: float = 1e-6) -> Report:
+    """Audit ``loss_fn`` for every (W, A, sharding) asked for, against one process with one microbatch."""
+    layouts = [(w, a) for w in world_sizes for a in accum_steps]
+    batch = synthetic_minibatch(minibatch_size([w * a for w, a in layouts], group_size), group_size,
+                                max_new_tokens, seed)
+    lengths = batch.mask.sum(-1)
+    plans = [("reference", make_plan("contiguous", lengths, 1, 1))]  # one process, one microbatch
+    for w, a in layouts:
+        plans += [(kind, make_plan(kind, lengths, w, a)) for kind in (shardings if w * a > 1 else ())]
+    return audit_plans(loss_fn, batch, plans, convention, name or getattr(loss_fn, "__name__", "loss"), tol)
+

@@ -1,0 +1,271 @@
+"""Hugging Face causal LMs as gradnorm policies: load, sample with a KV cache, score responses.
+
+``transformers`` is an optional extra (``pip install -e '.[hf]'``) and is imported only when a
+function here needs it. A policy is any ``AutoModelForCausalLM``; the two functions the trainer
+calls have the same signatures as their TinyGPT twins in ``gradnorm.models.tinygpt``:
+
+    generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature, generator)
+        -> tokens (B, P + max_new_tokens)
+    response_logprobs(model, tokens, prompt_len) -> (log pi(o_t), H_t), each (B, R)
+
+Prompts arrive LEFT-padded to a common width P (``gradnorm.tasks.prompts``). The padding is the leading
+run of PAD ids of each row; it gets attention mask 0, and positions count from the first real
+token, so a row's logits do not depend on how much padding it got:
+
+    attention_mask[i, s] = 1 once row i has had a non-PAD token at or before s
+    position_ids[i, s]   = max(0, cumsum(attention_mask[i])[s] - 1)
+
+Sampling is our own loop over the model's KV cache (``gradnorm.models.sampling.decode``, shared with
+``tinygpt.generate``), not ``model.generate``: HF's sampler draws from the global RNG, while the
+trainer needs sequence i of step k to be a function of (seed, k, i) and the weights, whichever
+rank samples it and whatever the world size.
+
+``build_tiny_llama`` / ``build_tiny_qwen2`` write a tiny random model and a character-level
+tokenizer (built locally with ``tokenizers``, no download) to a directory that ``--model`` loads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradnorm.dist.wrap import unwrap
+from gradnorm.models.sampling import decode
+from gradnorm.models.tinygpt import token_logprobs_and_entropy
+
+_MISSING = "Hugging Face models need transformers: pip install -e '.[hf]'"
+
+
+def require_transformers():
+    """The transformers module, or a one-line ImportError saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(_MISSING) from None
+    return transformers
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` (possibly inside DDP) is a Hugging Face PreTrainedModel."""
+    return hasattr(unwrap(model), "config") and hasattr(unwrap(model), "get_input_embeddings")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """The model's tokenizer, with a PAD token: EOS is used as PAD when it has none (Llama)."""
+    transformers = require_transformers()
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {name_or_path!r}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(
+    name_or_path: str,
+    pad_id: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """An ``AutoModelForCausalLM`` from a Hub name or a local directory, ready to train.
+
+    Parameters load in ``dtype`` (float32 by default: the optimizer keeps fp32 master weights and
+    bf16 comes from autocast). ``pad_id`` is stored in ``config.pad_token_id``, where
+    ``response_logprobs`` finds it. Gradient checkpointing is the non-reentrant kind, which
+    works with DDP's no_sync and with FSDP2.
+    """
+    transformers = require_transformers()
+    # transformers 4.56 renamed torch_dtype to dtype; 5 loads the checkpoint's own dtype without it.
+    dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **{dtype_kw: dtype})
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {name_or_path!r}: cannot load it ({str(e).splitlines()[0]})") from None
+    except pickle.UnpicklingError as e:  # a pickled weights file that holds more than tensors: never run it
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"it references {found.group(1)}" if found else "it holds more than tensors"
+        raise ValueError(f"--model {name_or_path!r}: its weights are refused by the safe unpickler ({what}), "
+                         "so they may be malicious; use a model directory you trust") from None
+    model.config.pad_token_id = pad_id
+    model.config.use_cache = False  # training passes never need a cache; sampling asks for one
+    if gradient_checkpointing:  # renamed activation checkpointing in transformers 5 (the old name warns)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device=device, dtype=dtype)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    # transformers 5 renamed forward's `past_key_values` (and the output's) to `cache`; the old
+    # name warns, then goes.
+    return "cache" if _accepts(type(model).forward, "cache") else "past_key_values"
+
+
+def _cache_of(output: Any, name: str) -> Any:
+    return getattr(output, name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two policy functions
+# ---------------------------------------------------------------------------------------------
+
+
+def padding_positions(tokens: Tensor, prompt_len: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """attention_mask (B, L) long and position_ids (B, L) for left-padded prompt + response.
+
+    Only the leading run of PAD in the prompt is padding; PAD after EOS in the response keeps
+    mask 1 (causality already hides it from everything the loss reads).
+    """
+    prompt = tokens[:, :prompt_len]
+    real = torch.cumsum((prompt != pad_id).long(), dim=1) > 0  # (B, P): at or after the first real token
+    attention = torch.ones_like(tokens)
+    attention[:, :prompt_len] = real.long()
+    positions = (torch.cumsum(attention, dim=1) - 1).clamp(min=0)  # (B, L)
+    return attention, positions
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Tensor,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    uniforms: Tensor | None = None,
+    reduce=None,
+) -> Tensor:
+    """Sample up to ``max_new_tokens`` after each left-padded prompt; returns (B, P + max_new_tokens).
+
+    Same contract as ``gradnorm.models.tinygpt.generate``: after a row's first EOS the row holds PAD, the
+    loop stops once every row has finished, and row i's tokens depend on its prompt and its row of
+    ``uniforms`` alone. ``model`` is the plain module, or an FSDP2 module, whose forward is a
+    collective: ranks that sample different sequences then pass ``reduce`` so that all of them run
+    the same number of steps. ``use_cache=False`` recomputes the full prefix at every step, for
+    tests of the cache.
+    """
+    B, P = prompts.shape
+    attention, positions = padding_positions(prompts, P, pad_id)  # (B, P) each
+    cache_kw = _cache_kwarg(model)
+    step = model(input_ids=prompts, attention_mask=attention, position_ids=positions, use_cache=use_cache)
+    cache = _cache_of(step, cache_kw)
+
+    def advance(token: Tensor, t: int, out: Tensor) -> Tensor:
+        nonlocal attention, positions, cache
+        attention = torch.cat([attention, attention.new_ones(B, 1)], dim=1)  # (B, P + t + 1)
+        positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
+        if not use_cache:  # the whole prefix again
+            return model(input_ids=out[:, : P + t + 1], attention_mask=attention, position_ids=positions,
+                         use_cache=False).logits[:, -1]
+        step = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions[:, -1:],
+                     use_cache=True, **{cache_kw: cache})
+        cache = _cache_of(step, cache_kw)
+        return step.logits[:, -1]  # only the new position
+
+    return decode(prompts, step.logits[:, -1], advance, max_new_tokens, eos_id, pad_id, temperature, generator,
+                  uniforms, reduce)
+
+
+def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies (fp32) of the response tokens, each (B, L - prompt_len).
+
+    ``model`` may be wrapped in DDP (the call goes through its forward, so its hooks fire) or be
+    an FSDP2 module. Only the response's R = L - P predictions go through the LM head
+    (``logits_to_keep``): with a 150k vocabulary the prompt's logits would be most of the memory.
+    log_softmax runs in float32 even under bf16 autocast: exp(logp - old_logp) amplifies rounding.
+    """
+    pad_id = unwrap(model).config.pad_token_id
+    attention, positions = padding_positions(tokens, prompt_len, pad_id)  # (B, L)
+    R = tokens.shape[1] - prompt_len
+    kwargs = {"logits_to_keep": R} if _accepts(type(unwrap(model)).forward, "logits_to_keep") else {}
+    logits = model(input_ids=tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
+                   use_cache=False, **kwargs).logits  # (B, R or L - 1, V)
+    return token_logprobs_and_entropy(logits[:, -R:], tokens[:, prompt_len:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random models for offline tests
+# ---------------------------------------------------------------------------------------------
+
+# Characters of the example prompts and their answers; anything else becomes <unk>.
+TINY_CHARS = "0123456789+-*/=?.,:;!'()[]{}\\$% \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+TINY_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3
+# A minimal chat template: "<s>user: ...\nassistant: "; real models ship their own.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_tiny_tokenizer():
+    """A character-level PreTrainedTokenizerFast (one id per character), made without any download."""
+    transformers = require_transformers()
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate([*TINY_SPECIALS, *TINY_CHARS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character a token
+    core.decoder = decoders.Fuse()  # join characters back without spaces
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def _build_tiny(config_cls_name: str, out_dir: str | Path, seed: int, **overrides) -> Path:
+    transformers = require_transformers()
+    tok = build_tiny_tokenizer()
+    kwargs = dict(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    config = getattr(transformers, config_cls_name)(**kwargs)
+    torch.manual_seed(seed)  # the random weights are a function of the seed
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """A 2-layer, width-32 random Llama (GQA 4/2 heads) and its tokenizer in ``out_dir``."""
+    return _build_tiny("LlamaConfig", out_dir, seed, **overrides)
+
+
+def build_tiny_qwen2(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """A 2-layer, width-32 random Qwen2 (q/k/v biases, tied embeddings as in the small Qwens)."""
+    return _build_tiny("Qwen2Config", out_dir, seed, **{"tie_word_embeddings": True, **overrides})

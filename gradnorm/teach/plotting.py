@@ -1,0 +1,162 @@
+"""Drawing share sweeps, gradient sweeps and training runs on matplotlib Axes the caller owns.
+
+Notebooks 01, 02, 03 and 05: the data of ``gradnorm.teach.imbalance``, ``gradnorm.teach.sweeps`` and
+``gradnorm.teach.runs``. The explorers' pictures (01, 02, 04), built once and updated in place, are in
+``gradnorm.teach.views``; the length-bias views of notebook 04 in ``gradnorm.teach.lengthplots``. Colours,
+markers and line styles come from ``gradnorm.teach.palette`` (re-exported here), the one palette.
+
+Every function takes an ``Axes``, draws, and returns the artists it made, so tests can read bar
+heights and line data instead of pixels. Nothing here touches pyplot's global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.container import BarContainer
+from matplotlib.lines import Line2D
+
+from gradnorm.teach.imbalance import ShareSweep
+from gradnorm.teach.palette import (  # noqa: F401  (re-exported: the palette's names, where drawing code looks)
+    MODE_COLORS, MODE_MARKERS, RANK_COLORS, SHARD_STYLES, TOKENS_COLOR, mode_label, mode_style, rank_color,
+)
+from gradnorm.teach.runs import TrainingRun, moving_average
+from gradnorm.teach.sweeps import GradientSweep
+from gradnorm.teach.views import IMBALANCE_LABEL, LOG_FLOOR, on_log_axis
+
+# ---------------------------------------------------------------------------------------------
+# 1. Token imbalance
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_share_sweep(ax: Axes, sweep: ShareSweep) -> dict[str, Line2D]:
+    """Rank 0's share of the update under each mode, and of the tokens, against the imbalance."""
+    out = {"tokens": ax.plot(sweep.imbalance, sweep.token_share, color=TOKENS_COLOR, lw=4, alpha=0.6,
+                             label="rank 0's share of the tokens")[0]}
+    for mode, share in sweep.update_share.items():
+        out[mode] = ax.plot(sweep.imbalance, share, color=MODE_COLORS[mode], marker=MODE_MARKERS[mode], ms=4,
+                            label=f"rank 0's share of the update: {mode}")[0]
+    ax.set_xlabel("imbalance: tokens of a response in a full microbatch / in the short one")
+    ax.set_ylabel("share")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize="small")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Real gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_microbatch_tokens(
+    ax: Axes, tokens: np.ndarray, title: str | None = None, unit: str = "tokens"
+) -> BarContainer:
+    """N[r, m] (W, A) as bars, one per microbatch, coloured by rank (``unit``: what is counted)."""
+    world_size, accum_steps = tokens.shape
+    labels = [f"r{r}/m{m}" for r in range(world_size) for m in range(accum_steps)]
+    colors = [rank_color(r) for r in range(world_size) for _ in range(accum_steps)]
+    bars = ax.bar(labels, tokens.reshape(-1), color=colors)
+    ax.set_ylabel("response tokens" if unit == "tokens" else unit)
+    ax.set_xlabel("rank / microbatch")
+    if title:
+        ax.set_title(title)
+    return bars
+
+
+def plot_gradient_sweep(
+    ax_error: Axes, ax_cosine: Axes, sweep: GradientSweep, modes: Sequence[str] | None = None,
+) -> dict[str, tuple[Line2D, Line2D]]:
+    """Relative error and 1 - cosine against the full-batch gradient, per mode, on log axes.
+
+    A log axis holds the bug (errors of 1e-2 to 1) and rounding (1e-16) at once; values below
+    ``views.LOG_FLOOR`` (0 included) are drawn at the floor. The exact modes coincide at the
+    rounding level, so each has its own marker, of decreasing size, drawn as concentric rings.
+    Returns {mode: (error line, 1 - cosine line)}.
+    """
+    modes = list(sweep.relative_error) if modes is None else list(modes)
+    out = {}
+    for mode in modes:
+        style = {**mode_style(mode), "label": mode_label(mode)}
+        error, one_minus_cos = on_log_axis(sweep, mode)
+        out[mode] = (ax_error.plot(sweep.imbalance, error, **style)[0],
+                     ax_cosine.plot(sweep.imbalance, one_minus_cos, **style)[0])
+    where = f"{sweep.world_size} ranks x {sweep.accum_steps} microbatches, {sweep.shard} sharding"
+    ax_error.set_title(f"relative error vs the full batch\n({where})", fontsize="medium")
+    ax_error.set_ylabel("|g - g_full| / |g_full|")
+    ax_cosine.set_title(f"1 - cosine with the full batch\n({where})", fontsize="medium")
+    ax_cosine.set_ylabel("1 - cos(g, g_full)")
+    for ax in (ax_error, ax_cosine):
+        ax.set_xlabel(IMBALANCE_LABEL[sweep.unit])
+        ax.set_yscale("log")
+        ax.set_ylim(LOG_FLOOR / 2, 2.0)
+    ax_error.legend(fontsize="small", loc="center right")
+    return out
+
+
+def plot_sharding_comparison(
+    ax: Axes, sweeps: dict[str, GradientSweep], mode: str = "local"
+) -> dict[str, Line2D]:
+    """One mode's relative error against the imbalance, one line per sharding."""
+    out = {}
+    for shard, sweep in sweeps.items():
+        out[shard] = ax.plot(sweep.imbalance, sweep.relative_error[mode], ms=4, color=MODE_COLORS[mode],
+                             label=shard, **SHARD_STYLES[shard])[0]
+    ax.set_title(f"{mode}: relative error under each sharding", fontsize="medium")
+    ax.set_xlabel(IMBALANCE_LABEL[next(iter(sweeps.values())).unit])
+    ax.set_ylabel("|g - g_full| / |g_full|")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small", title="sharding", title_fontsize="small")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training runs
+# ---------------------------------------------------------------------------------------------
+
+TRAINING_PANELS = {"reward_mean": "mean reward", "response_len_mean": "mean response length (tokens)",
+                   "grad_norm": "gradient norm (before clipping)"}
+
+
+def plot_training_runs(
+    axes: Sequence[Axes], runs: Sequence[TrainingRun], keys: Sequence[str] = tuple(TRAINING_PANELS),
+    window: int = 10,
+) -> dict[str, list[Line2D]]:
+    """One panel per logged metric: each run's raw values (thin) and trailing average (thick).
+
+    Colour is the denominator, line style the sharding. Returns {run label: [average line per panel]}.
+    """
+    out = {}
+    for run in runs:
+        color = MODE_COLORS.get(run.loss_denominator, TOKENS_COLOR)
+        style = SHARD_STYLES.get(run.shard, {"ls": "-"})["ls"]
+        out[run.label] = []
+        for ax, key in zip(axes, keys):
+            ax.plot(run.steps, run.series(key), color=color, ls=style, lw=0.7, alpha=0.3)
+            out[run.label].append(ax.plot(run.steps, moving_average(run.series(key), window), color=color,
+                                          ls=style, lw=2, label=run.label)[0])
+    for ax, key in zip(axes, keys):
+        ax.set_title(TRAINING_PANELS.get(key, key), fontsize="medium")
+        ax.set_xlabel("optimizer step")
+    axes[0].legend(fontsize="small")
+    return out
+
+
+def plot_rank_token_share(ax: Axes, runs: Sequence[TrainingRun], world_size: int, window: int = 10) -> dict:
+    """Rank 0's share of each step's tokens, next to the 1/W share of the update ``local`` gives it."""
+    out = {}
+    for run in runs:
+        share = run.rank_token_share(0)
+        style = SHARD_STYLES.get(run.shard, {"ls": "-"})["ls"]
+        out[run.label] = ax.plot(run.steps, moving_average(share, window), ls=style, color=TOKENS_COLOR, lw=2,
+                                 label=f"rank 0's share of the tokens, measured ({run.shard})")[0]
+    # Not measured: the trainer logs tokens per rank, not each rank's gradient. It is local's formula,
+    # 1/(W*A) per microbatch with tokens, exact when every microbatch has one (tests/test_equivalence.py).
+    out["local"] = ax.axhline(1 / world_size, color=MODE_COLORS["local"], lw=1.5, ls=":", zorder=1,
+                              label="1/W: rank 0's share of the update under local (formula)")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("optimizer step")
+    ax.set_title("rank 0: tokens held vs update received", fontsize="medium")
+    ax.legend(fontsize="small")
+    return out

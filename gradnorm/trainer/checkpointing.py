@@ -1,0 +1,275 @@
+"""Checkpoints: one directory per step, written by every rank at once, complete or absent.
+
+Layout of output-dir/ (the same for ``--parallel ddp``, ``fsdp`` and a plain process):
+
+    ckpt_step{N}/              the state after optimizer step N, complete
+        .metadata              DCP's index of the tensors (written last by the coordinator)
+        __{r}_0.distcp         rank r's part: its shards of the model and AdamW state under FSDP2
+                               (under DDP DCP spreads the replicated tensors over the ranks), the
+                               reference policy when --beta > 0, and rank r's RNG states
+        trainer_state.json     the trainer's counters (runstate.RunState: step, warm-up record,
+                               elapsed_s, skipped, in_a_row), plain JSON
+    .ckpt_step{N}.tmp/         a checkpoint being written, never read
+
+Atomic. ``save`` writes into ``.ckpt_step{N}.tmp``; once every rank has written its part and the
+coordinator its ``.metadata``, rank 0 adds trainer_state.json, fsyncs it and renames the directory
+to ``ckpt_step{N}``. A rename within one filesystem is atomic on POSIX, so a crash at any moment
+(SIGKILL mid-write included) leaves the earlier checkpoints as they were and at most a ``.tmp``
+directory, which ``latest_checkpoint`` ignores and the next save of that step replaces.
+
+Failures. Each of the three phases (rank 0 makes the temporary directory; every rank writes; rank 0
+publishes) ends with every rank agreeing that it worked (``comm.all_true``), so a full disk or a
+permission error on any rank is the same ``CheckpointError`` on every rank, never a hang; the
+temporary directory is removed and the earlier checkpoints stay.
+
+Resharding. Tensors are stored by name with their global shape (``gradnorm.dist.state``), so a
+checkpoint loads into any world size and either ``--parallel``: 2 FSDP2 ranks -> 1 plain process,
+DDP -> FSDP2, and back.
+
+Safe loading. Nothing in a checkpoint is ever unpickled without an allow-list: trainer_state.json is
+JSON; ``.metadata`` goes through a restricted unpickler and tensors through
+``torch.load(weights_only=True)`` (details in ``gradnorm.dist.state``). RNG states are tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradnorm.dist import comm
+from gradnorm.dist import state as dist_state
+
+_NAME = re.compile(r"^ckpt_step(\d+)$")
+RUN_FILE = "trainer_state.json"
+ADVICE = "delete it to fall back on an earlier checkpoint (--resume, or python -m gradnorm.export --step N), or start afresh"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (full disk, permissions...); the earlier ones are intact."""
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint taken after optimizer step ``step`` lives."""
+    return Path(output_dir) / f"ckpt_step{step}"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``output_dir``, or None.
+
+    Only a finished checkpoint has the name ``ckpt_step{N}`` (the rename is the last act of
+    ``save``); a ``.ckpt_step{N}.tmp`` left by a crash is ignored.
+    """
+    found = [(int(m.group(1)), p) for p in Path(output_dir).glob("ckpt_step*") if (m := _NAME.match(p.name)) and p.is_dir()]
+    return max(found)[1] if found else None
+
+
+# ------------------------------------------------------------------ save
+
+
+def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str, Any], rank: int) -> Path:
+    """Write ``state`` (named tensors, ``dist.state.training_state``), this rank's RNG states and
+    ``run`` (JSON, written by rank 0) as ``ckpt_step{step}``. Every rank must call it."""
+    final, tmp = checkpoint_dir(output_dir, step), Path(output_dir) / f".ckpt_step{step}.tmp"
+    previous = latest_checkpoint(output_dir)
+    state = {**state, "rng": {f"rank{rank}": rng_state()}}
+
+    def fresh_tmp():  # rank 0: an empty temporary directory (a torn one from a crash goes)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    def publish():  # rank 0: the counters, then the atomic rename
+        if rank == 0:
+            _write_synced(tmp / RUN_FILE, json.dumps(run, indent=2) + "\n")
+            if final.exists():  # the same step saved again (a rerun): the new one replaces it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+
+    for phase in (fresh_tmp, lambda: dist_state.write(state, tmp), publish):
+        error = None
+        try:
+            phase()
+        except Exception as err:  # any rank's failure must reach every rank, or the others would hang
+            error = err
+        if not comm.all_true(error is None):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            what = f"{type(error).__name__}: {_first_line(error, 400)}" if error is not None \
+                else "it failed on another rank"
+            # the run's files stay (gradnorm.trainer.rundir): the way on is --resume, or --overwrite with nothing to resume
+            fixed = "once the cause is fixed (disk space, permissions)"
+            if previous:
+                kept = f"the previous checkpoint {previous} is intact; {fixed}, --resume continues from it"
+            else:
+                kept = f"there is no earlier checkpoint; {fixed}, --overwrite starts the run again"
+            raise CheckpointError(f"could not write checkpoint {final} ({what}); the temporary files are "
+                                  f"removed and {kept}")
+    return final
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes the checkpoint visible
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power loss
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ load
+
+
+def read_run_state(path: str | Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """trainer_state.json of a checkpoint: a one-line ValueError if absent, corrupt or incomplete."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist")
+    try:
+        run = json.loads((path / RUN_FILE).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (missing {RUN_FILE}); {ADVICE}") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({RUN_FILE}: {_first_line(err)}); {ADVICE}") from None
+    missing = [k for k in required if not isinstance(run, dict) or k not in run]
+    if missing:
+        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint ({RUN_FILE} lacks "
+                         f"{', '.join(missing)}); {ADVICE}")
+    return run
+
+
+def load(path: str | Path, state: dict[str, Any], rank: int) -> None:
+    """Fill ``state``'s tensors in place from the checkpoint, resharded to this run, and restore
+    this rank's RNG states (rank 0's when the checkpoint was written by fewer ranks)."""
+    path = Path(path)
+    stored = _stored_tensors(path)
+    _check_same_model(path, stored, state)
+    key = f"rank{rank}" if f"rng.rank{rank}.torch" in stored else "rank0"
+    rng = {name: t for name, t in rng_state().items() if f"rng.{key}.{name}" in stored}  # CUDA only if saved
+    try:
+        dist_state.read({**state, "rng": {key: rng}}, path)
+    except Exception as err:
+        raise _load_error(path, err) from None
+    set_rng_state(rng)
+
+
+def read_tensors(path: str | Path, name: str = "model") -> dict[str, torch.Tensor]:
+    """One part of a checkpoint (``model``, ``ref``...) as full CPU tensors, whatever wrote it.
+
+    For tools (``gradnorm.export``) and tests, in a process without a process group.
+    """
+    path = Path(path)
+    prefix = name + "."
+    part = {key[len(prefix):]: torch.empty(shape, dtype=dtype)
+            for key, (shape, dtype) in _stored_tensors(path).items() if key.startswith(prefix)}
+    if not part:
+        raise ValueError(f"checkpoint {path} holds no {name} tensors; {ADVICE}")
+    try:
+        dist_state.read({name: part}, path)
+    except Exception as err:
+        raise _load_error(path, err) from None
+    return part
+
+
+def _stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist")
+    try:
+        metadata = dist_state.read_metadata(path)
+    except dist_state.RefusedPickle as err:
+        raise ValueError(f"checkpoint {path} is refused by the safe unpickler of its {dist_state.METADATA_FILE}: "
+                         f"{err}, so it is not a gradnorm checkpoint and may be malicious; {ADVICE}") from None
+    except Exception as err:  # EOFError, "invalid load key"...: not a refusal, broken bytes
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({dist_state.METADATA_FILE}: "
+                         f"{type(err).__name__}: {_first_line(err)}); {ADVICE}") from None
+    stored = dist_state.stored_tensors(metadata)
+    if "rng.rank0.torch" not in stored:
+        raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (no RNG states); {ADVICE}")
+    return stored
+
+
+def _check_same_model(path: Path, stored: dict, state: dict) -> None:
+    expected = dict(dist_state.tensor_leaves(state))  # DTensors report their global shape
+    problem = None
+    for key, tensor in expected.items():
+        if key.startswith("ref.") and key not in stored:
+            raise ValueError(f"checkpoint {path} holds no reference policy (it was written with --beta 0); "
+                             "resume with --beta 0")
+        if key not in stored:
+            problem = f"it lacks {key}"
+        elif stored[key][0] != tuple(tensor.shape):
+            problem = f"{key} is {list(stored[key][0])} there, {list(tensor.shape)} here"
+        if problem:
+            break
+    extra = [k for k in stored if k.startswith("model.") and k not in expected]
+    problem = problem or (f"it has {extra[0]}, which this model lacks" if extra else None)
+    if problem:
+        raise ValueError(f"checkpoint {path} holds a different model ({problem}); "
+                         "resume with the --model (--n-layer/--n-head/--n-embd) it was trained with")
+
+
+def _load_error(path: Path, err: BaseException) -> ValueError:
+    if isinstance(err, pickle.UnpicklingError):  # torch.load(weights_only=True) refused a tensor payload
+        found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.I)
+        what = f"it references {found.group(1)}" if found else "it holds more than tensors"
+        # never repeat torch's message, which suggests weights_only=False
+        return ValueError(f"checkpoint {path} is refused by the safe unpickler (weights_only=True): {what}, so it "
+                          f"is not a gradnorm checkpoint and may be malicious; {ADVICE}")
+    return ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {_first_line(err)}); {ADVICE}")
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:limit]
+
+
+# ------------------------------------------------------------------ RNG states, as tensors
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """Every RNG a run might draw from, as tensors: torch (CPU and CUDA), Python, NumPy.
+
+    The trainer's own randomness does not depend on them: rollouts and the warm-up draw from
+    generators seeded by (seed, step), and TinyGPT and the tiny test models have no dropout. They
+    are saved per rank so that anything drawing from the global RNGs (dropout in a Hugging Face
+    model, a user's reward) continues its stream on resume.
+    """
+    py_version, py_words, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([py_version, *py_words], dtype=torch.int64),
+        "python_gauss": torch.tensor([0.0 if py_gauss is None else py_gauss, py_gauss is not None], dtype=torch.float64),
+        "numpy": torch.from_numpy(np_keys.astype(np.int64)),
+        "numpy_extra": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
+    }
+    assert np_kind == "MT19937"
+    if torch.cuda.is_available():
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore what ``rng_state`` captured."""
+    torch.set_rng_state(state["torch"])
+    words = state["python"].tolist()
+    gauss, has_gauss = state["python_gauss"].tolist()
+    random.setstate((words[0], tuple(words[1:]), gauss if has_gauss else None))
+    pos, has_gauss, cached = state["numpy_extra"].tolist()
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))

@@ -1,0 +1,322 @@
+"""The trainer's configuration: one dataclass, a docstring under every field, the CLI generated from it.
+
+``python gradnorm/train.py --help`` prints each field's docstring, so this file is the reference
+for every flag (``--grad-accum-steps`` is the field ``grad_accum_steps``). ``validate`` turns a bad
+value into a one-line ``ValueError`` before any model is built: every numeric field has one rule
+in ``flagrules.BOUNDS`` (finite, in a documented range that ``--help`` prints), and ``flagrules.CHANGEABLE_ON_RESUME``
+lists the flags a ``--resume`` may change; every other flag defines the run and must match the
+``config.json`` of the run it continues (``gradnorm.trainer.rundir.compare_resumed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args, get_origin, get_type_hints
+
+import torch
+
+from gradnorm.core.denominators import Denominator, parse_denominator
+from gradnorm.dist.wrap import ParallelKind
+from gradnorm.trainer.flagrules import BOUNDS, CONSTANT_DENOMINATOR
+from gradnorm.core.sharding import ShardKind, check_divisible
+
+
+@dataclass
+class TrainConfig:
+    """GRPO on the built-in repeat-a-letter task with a tiny transformer, or on JSONL prompts with a
+    Hugging Face causal LM (--model)."""
+
+    # ---- the normalization under study
+    loss_denominator: str = "token"
+    """How per-token losses are averaged: local (per-microbatch mean, the old bug), token (global
+    token mean), sequence (original GRPO: a mean of per-sequence means over the sequences with a
+    token), group (per prompt group), or a number C (Dr GRPO uses C = prompts-per-step *
+    group-size * max-new-tokens, counting every sequence)."""
+    grad_accum_steps: int = 1
+    """A: microbatches per rank per optimizer step (DDP no_sync on all but the last). Changeable on
+    --resume, except under --loss-denominator local (the only mode whose update depends on it)."""
+    shard: ShardKind = "interleave"
+    """How a minibatch's sequences are split over ranks and microbatches. length sorts by response
+    length first, so low ranks get the short responses (maximal imbalance); balanced packs by tokens.
+    Changeable on --resume, except under --loss-denominator local."""
+
+    # ---- batch and schedule
+    steps: int = 300
+    """Optimizer steps of GRPO (after the warm-up). Changeable on --resume (to extend a run)."""
+    prompts_per_step: int = 32
+    """Prompts per optimizer step; the global minibatch is prompts-per-step * group-size sequences,
+    whatever the world size."""
+    group_size: int = 8
+    """G: completions sampled per prompt (>= 2, advantages are relative to the group)."""
+    minibatches_per_rollout: int = 1
+    """Minibatches (optimizer steps) per rollout batch, PPO style; 1 is fully on-policy."""
+    epochs: int = 1
+    """Passes over each rollout batch; more than 1 reuses samples off-policy (the clip matters)."""
+    rollouts: Literal["sharded", "replicated"] = "sharded"
+    """Who samples the rollout batch. sharded: each rank samples its share of the prompt groups and
+    one all_gather gives every rank the whole batch (generation shrinks with W). replicated: every
+    rank samples the whole batch itself (W-fold generation, no collective). Both give the same
+    batch for any W: sequence i of step k draws its noise from (seed, k, i) alone. Changeable on
+    --resume."""
+
+    # ---- GRPO objective
+    beta: float = 0.0
+    """KL coefficient against a frozen reference (the policy after warm-up); 0 loads no reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman 2020); k3 is GRPO's."""
+    clip_low: float = 0.2
+    """Importance ratios below 1 - clip-low stop pushing down."""
+    clip_high: float = 0.28
+    """Importance ratios above 1 + clip-high stop pushing up (DAPO's clip-higher; 0.2 is PPO's)."""
+    scale_adv_by_std: bool = True
+    """Divide advantages by the group's reward std (GRPO); --no-scale-adv-by-std centers only (Dr GRPO)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0)."""
+    max_new_tokens: int = 20
+    """Response budget; a response without EOS by then is truncated (and its reward halved)."""
+
+    # ---- optimizer
+    lr: float = 5e-4
+    """AdamW learning rate of the GRPO updates."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; the logged grad_norm is the norm before clipping."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradient is NaN or inf is skipped (no optimizer step, a warning, counted
+    as skipped_steps in metrics.jsonl); this many skipped in a row stop the run with an error.
+    Changeable on --resume."""
+
+    # ---- supervised warm-up (the stand-in for pretraining)
+    warmup_steps: int = 40
+    """Steps of next-token training on the task's demonstrations before GRPO; 0 skips it
+    (built-in model only: a Hugging Face --model starts from its own weights)."""
+    warmup_batch: int = 32
+    """Demonstrations per warm-up step."""
+    warmup_lr: float = 3e-3
+    """AdamW learning rate of the warm-up."""
+    eval_prompts: int = 128
+    """Prompts sampled to report the reward before and after the warm-up."""
+
+    # ---- model
+    model: str = "tiny"
+    """tiny: the built-in TinyGPT on the repeat-a-letter task (sized by the three flags below).
+    Anything else is a Hugging Face causal LM, a Hub name or a local directory (pip install -e
+    '.[hf]'), trained on --prompts from its own weights (no warm-up)."""
+    n_layer: int = 2
+    """Transformer blocks (tiny)."""
+    n_head: int = 4
+    """Attention heads per block (tiny)."""
+    n_embd: int = 64
+    """Width of the residual stream (tiny)."""
+
+    # ---- real models (a Hugging Face --model)
+    prompts: str = "examples/arithmetic.jsonl"
+    """JSONL file, one {"prompt": ..., "answer": ...} per line; prompts go through the tokenizer's
+    chat template when it has one."""
+    reward: str = "exact_match_math"
+    """Reward of a response to --prompts: exact_match_math (the last \\boxed{} value, else the last
+    number, equal to the answer: 1, else 0) or any package.module:function(response, answer)."""
+    parallel: ParallelKind = "ddp"
+    """ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
+    state per transformer block (FSDP2), for models that do not fit DDP. Both average gradients
+    over ranks, which the loss weights undo in the same one place. Changeable on --resume
+    (checkpoints are resharded to the resuming layout)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU. bf16 is autocast: matmuls in bfloat16; weights, gradients,
+    log-softmax and loss weights stay fp32 and token counts int64, so the normalization is exact."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (Hugging Face models): less memory,
+    about a third more compute, the same gradient. Changeable on --resume."""
+
+    # ---- run
+    seed: int = 0
+    """Seeds the model, the warm-up and (with the step) every rollout."""
+    output_dir: str = "runs/grpo"
+    """Where metrics.jsonl, config.json, checkpoints and the learning curve go. Changeable on
+    --resume (a run directory may be moved or copied)."""
+    save_every: int = 100
+    """Checkpoint every this many optimizer steps (and always at the end); 0: only at the end.
+    Changeable on --resume."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in output-dir (its metrics.jsonl is cut back to
+    it), on any number of ranks and under either --parallel. The flags that define the run must
+    equal those in its config.json; only the ones documented as changeable on --resume may differ,
+    and each change is recorded in config.json's history."""
+    overwrite: bool = False
+    """Start a fresh run in an output-dir that holds another run. Its files are moved to
+    output-dir/previous_run/ and deleted once this run's first complete checkpoint exists (moved back if
+    this run stops before that); without --overwrite or --resume such a directory is refused."""
+    export_hf: str = "auto"
+    """Where a Hugging Face --model is saved at the end with save_pretrained (safetensors and its
+    tokenizer, for AutoModelForCausalLM.from_pretrained): auto is output-dir/final, none skips it.
+    Changeable on --resume."""
+    plot: bool = True
+    """Draw learning_curve.png from metrics.jsonl at the end (needs matplotlib). Changeable on --resume."""
+    log_every: int = 10
+    """Without a terminal (no progress bar), print a line every this many steps. Changeable on --resume."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto is NCCL on CUDA and gloo on CPU. Changeable on --resume."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto is CUDA when available. Changeable on --resume (like the world size)."""
+    cpu_threads: int = 1
+    """torch threads per process for CPU math. Keep it equal across runs you compare: matmuls
+    round differently with different thread counts, which changes sampled tokens. Changeable on
+    --resume."""
+    timeout_s: float = 300.0
+    """How long a collective waits for a dead peer before the run fails; at least 10 s, or a slow
+    step or rank 0 writing a checkpoint would look like a dead peer. Changeable on --resume."""
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Derived: S = prompts-per-step * group-size, the global minibatch of one optimizer step."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Derived: optimizer steps taken on each rollout batch (minibatches * epochs)."""
+        return self.minibatches_per_rollout * self.epochs
+
+    @property
+    def builtin(self) -> bool:
+        """Derived: whether the model is the built-in TinyGPT on the built-in task."""
+        return self.model == "tiny"
+
+    @property
+    def export_dir(self) -> Path | None:
+        """Derived: the directory of --export-hf, or None (the built-in model, or none)."""
+        if self.builtin or self.export_hf == "none":
+            return None
+        return Path(self.output_dir) / "final" if self.export_hf == "auto" else Path(self.export_hf)
+
+    def autocast_dtype(self, device_type: str) -> torch.dtype | None:
+        """Derived: bfloat16 when bf16 autocast is on for ``device_type``, else None (fp32)."""
+        bf16 = self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+        return torch.bfloat16 if bf16 else None
+
+    @property
+    def denominator(self) -> Denominator:
+        """Derived: loss-denominator parsed into a mode name or a float C."""
+        return parse_denominator(self.loss_denominator)
+
+    def validate(self, world_size: int = 1) -> None:
+        """Raise a one-line ValueError for the first bad value; ``world_size`` is W.
+
+        Pure: flags against their ranges and each other. Files, directories, the environment and
+        memory are checked by ``gradnorm.trainer.preflight``.
+        """
+        denominator = self.denominator  # raises on an unknown denominator
+        if isinstance(denominator, float) and denominator not in CONSTANT_DENOMINATOR:
+            raise ValueError(f"--loss-denominator {self.loss_denominator}: a constant C must be a finite number in "
+                             f"{CONSTANT_DENOMINATOR} (a token count; Dr GRPO uses prompts-per-step * group-size * "
+                             "max-new-tokens)")
+        for name, choices in _choices().items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{_flag(name)} {getattr(self, name)!r}: expected one of {', '.join(choices)}")
+        if self.group_size < 2:
+            raise ValueError(f"--group-size must be >= 2 (advantages compare completions of a prompt), got {self.group_size}")
+        for name, allowed in BOUNDS.items():
+            if getattr(self, name) not in allowed:
+                value = getattr(self, name)
+                what = "a finite number" if isinstance(value, float) else "an integer"
+                raise ValueError(f"--{_flag(name)} must be {what} in {allowed}, got {value}")
+        for name in ("output_dir", "model"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"--{_flag(name)} is empty; give a path")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-head {self.n_head} must divide --n-embd {self.n_embd}")
+        if self.builtin and self.max_new_tokens < 17:
+            raise ValueError(f"--max-new-tokens must be >= 17 (16 letters + EOS), got {self.max_new_tokens}")
+        if self.builtin and self.gradient_checkpointing:
+            raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one of them")
+        if self.builtin and self.export_hf not in ("auto", "none"):
+            raise ValueError("--export-hf needs a Hugging Face --model; the built-in tiny model is not one")
+        check_divisible(self.sequences_per_step, world_size, self.grad_accum_steps)
+        k = self.updates_per_rollout
+        if self.steps % k or self.save_every % k:
+            raise ValueError(f"--steps ({self.steps}) and --save-every ({self.save_every}) must be multiples of "
+                             f"minibatches-per-rollout * epochs = {k}: checkpoints fall between rollouts")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available (this torch build or machine has none)")
+        if self.backend == "nccl" and not (self.device != "cpu" and torch.cuda.is_available()):
+            raise ValueError("--backend nccl needs a CUDA device; use gloo on CPU")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------ the CLI, generated from the fields
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    hints = get_type_hints(TrainConfig)
+    return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(TrainConfig) if get_origin(hints[f.name]) is Literal}
+
+
+def field_docs(cls: type = TrainConfig) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, read from its source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage too; a bad flag deserves one line
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one --flag per field, its help the field's docstring and range."""
+    parser = _OneLineParser(prog=prog, description=TrainConfig.__doc__,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints, docs, choices = get_type_hints(TrainConfig), field_docs(), _choices()
+    for f in dataclasses.fields(TrainConfig):
+        kind, flag = hints[f.name], f"--{_flag(f.name)}"
+        doc = docs[f.name] + (f" Range: {BOUNDS[f.name]}." if f.name in BOUNDS else "")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
+        elif f.name in choices:  # validated by TrainConfig.validate, so the error stays one line
+            parser.add_argument(flag, default=f.default, help=doc, metavar="{" + ",".join(choices[f.name]) + "}")
+        elif f.name == "loss_denominator":
+            parser.add_argument(flag, default=f.default, help=doc, metavar="{local,token,sequence,group,<number>}")
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, help=doc)
+    return parser
+
+
+def given_flags(argv: list[str], parser: argparse.ArgumentParser) -> set[str]:
+    """The fields whose flags appear in ``argv`` (a flag given with its default value counts)."""
+    for action in parser._actions:  # parse again with no defaults: only what was given is set
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def parse_config(argv: list[str] | None = None, world_size: int = 1, prog: str | None = None) -> TrainConfig:
+    """Parse command-line flags into a validated TrainConfig; raises ValueError on a bad value."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(prog).parse_args(argv)
+    cfg = TrainConfig(**vars(args))
+    cfg.validate(world_size)
+    if cfg.builtin:  # the built-in task has its own prompts and reward: a given file would be ignored
+        ignored = sorted(given_flags(argv, build_parser(prog)) & {"prompts", "reward"})
+        if ignored:
+            raise ValueError(f"{' and '.join('--' + name for name in ignored)} "
+                             f"need{'s' if len(ignored) == 1 else ''} a Hugging Face --model; the "
+                             "built-in tiny model trains on its own repeat-a-letter task and reward")
+    return cfg
