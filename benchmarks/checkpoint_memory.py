@@ -9,7 +9,7 @@ holds its shard of the weights and of AdamW's two moments. Then rank 0's host me
 around one save, with each way of saving in its own fresh pair of processes (a freed allocation
 would otherwise be reused by the next one and hide it):
 
-- ``sharded``: ``gradnorm.trainer.checkpointing.save``, what the trainer does. Every rank writes its own
+- ``sharded``: ``gradnorm.trainer.checkpoints.save``, what the trainer does. Every rank writes its own
   shards with torch.distributed.checkpoint.
 - ``gathered``: what the trainer did before: ``get_model_state_dict`` and
   ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True`` (every full tensor
@@ -41,7 +41,7 @@ except ImportError:
 
 import torch
 
-from gradnorm.trainer import checkpointing
+from gradnorm.trainer import checkpoints as checkpointing
 from gradnorm.dist import comm, wrap
 from gradnorm.dist import state as dist_state
 from gradnorm.dist.spawn import spawn_gloo
@@ -76,7 +76,8 @@ def _gathered_save(model, opt, path: Path, is_main: bool) -> None:
 
 def _measure(ctx: comm.DistContext, method: str, n_layer: int, n_embd: int, out_dir: str) -> dict:
     torch.manual_seed(0)
-    model = wrap.wrap_fsdp(TinyGPT(GPTConfig(vocab_size=32, block_size=64, n_layer=n_layer, n_head=8, n_embd=n_embd)))
+    model = TinyGPT(GPTConfig(vocab_size=32, block_size=64, n_layer=n_layer, n_head=8, n_embd=n_embd))
+    model = wrap.wrap_fsdp(model, blocks=list(model.blocks))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randint(0, 32, (2, 16))).sum().backward()
     opt.step()

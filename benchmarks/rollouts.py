@@ -7,7 +7,7 @@ against replicated (each rank samples all S).
     python benchmarks/rollouts.py --drift      # and 3 default trainings (how long W = 1 and 2 agree)
 
 1. Rollout seconds per step. One torchrun launch of 2 gloo ranks (this script's ``--worker`` mode)
-   builds the trainer's policy (``runstate.build_policy``: an untrained TinyGPT, the default 2x64 and a
+   builds the trainer's policy (``policy.build_policy``: an untrained TinyGPT, the default 2x64 and a
    wider 4x256, on the built-in task, 32 prompts x 8 completions, up to 20 new tokens) and times
    ``rollout.generate_rollout`` in four configurations, interleaved round-robin with the order
    rotated every round so that a noisy neighbour slows them alike: W = 1 under each mode (rank 0
@@ -64,8 +64,8 @@ def worker(argv: list[str]) -> int:
     """
     from gradnorm.dist import comm
     from gradnorm.trainer.rollout import generate_rollout
-    from gradnorm.trainer.runstate import build_policy
-    from gradnorm.trainer.trainconfig import parse_config
+    from gradnorm.trainer.policy import build_policy
+    from gradnorm.trainer.config import parse_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
@@ -76,7 +76,8 @@ def worker(argv: list[str]) -> int:
     ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
                      device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
     try:
-        task, model, _ = build_policy(cfg, ctx.device)
+        task, policy = build_policy(cfg, ctx.device)
+        model = policy.model
         amp = cfg.autocast_dtype(ctx.device.type)
         W = ctx.world_size
         configs = [(1, "replicated"), (1, "sharded")] + ([(W, "replicated"), (W, "sharded")] if W > 1 else [])
@@ -99,7 +100,7 @@ def worker(argv: list[str]) -> int:
                 if w > 1 or ctx.rank == 0:  # W = 1: rank 0 samples alone, the others wait in sync()
                     autocast = torch.autocast(ctx.device.type, dtype=amp) if amp else contextlib.nullcontext()
                     with autocast:
-                        rollout = generate_rollout(model, task, num_prompts=cfg.prompts_per_step,
+                        rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step,
                                                    group_size=cfg.group_size, seed=cfg.seed, step=r + 1,
                                                    temperature=cfg.temperature, **share)
                 sync()

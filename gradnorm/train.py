@@ -19,10 +19,10 @@ Run it from the repository root (after ``make install`` or ``pip install -e .``)
     torchrun --standalone --nproc_per_node=8 gradnorm/train.py --model Qwen/Qwen2.5-0.5B-Instruct \\
         --prompts examples/arithmetic.jsonl --parallel fsdp --max-new-tokens 128 --lr 1e-6
 
-``--help`` documents every flag (they come from ``gradnorm.trainer.trainconfig.TrainConfig``). Rank 0
+``--help`` documents every flag (they come from ``gradnorm.trainer.config.TrainConfig``). Rank 0
 alone prints and writes ``output-dir/``: ``config.json``, ``metrics.jsonl`` (one JSON object per
 optimizer step), ``warmup.json`` and ``learning_curve.png``. Every rank writes its shards of
-``ckpt_step{N}/`` (gradnorm.trainer.checkpointing: sharded, atomic, resumable on any W and --parallel), and a
+``ckpt_step{N}/`` (gradnorm.trainer.checkpoints: sharded, atomic, resumable on any W and --parallel), and a
 Hugging Face run ends with its policy in ``final/`` (gradnorm.export, ``from_pretrained``-ready).
 
 One optimizer step (S = prompts-per-step * group-size sequences, the same for every W):
@@ -49,10 +49,10 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     makes every logged statistic a global, token-weighted value comparable across W and A. It is a
     logging collective, the same in every mode, separate from the normalization's count all-reduce.
     A last tiny one (MAX of 3 floats) gives the slowest rank's phase times: where a step's time goes
-    (``gradnorm.trainer.phases``: time_rollout_s, time_forward_backward_s, ...) is logged every step.
+    (``gradnorm.trainer.run``: time_rollout_s, time_forward_backward_s, ...) is logged every step.
     It also carries each rank's stop vote: after SIGTERM or SIGINT (to torchrun or to any one
     rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a second
-    signal exits at once (gradnorm.trainer.preemption).
+    signal exits at once (gradnorm.trainer.guards).
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
@@ -97,17 +97,11 @@ except ImportError:
 import torch
 from tqdm import tqdm
 
-from gradnorm.trainer import checkpointing, failures, memory, phases, preemption, preflight, rundir
-from gradnorm import export
-from gradnorm.dist import comm, wrap
-from gradnorm.core.grpo import NUM_STATS, finalize_stats, grpo_token_losses
+from gradnorm.dist import comm
+from gradnorm.trainer import checkpoints, guards, run as runfiles, step as steps
+from gradnorm.trainer.config import TrainConfig, parse_config
+from gradnorm.trainer.policy import build_policy, wrap_for_training
 from gradnorm.trainer.rollout import generate_rollout
-from gradnorm.trainer.runlog import open_run_files, step_record, summarize, write_record
-from gradnorm.trainer.runstate import RunState, build_policy, load_checkpoint, resume_point, save_checkpoint, start_or_resume
-from gradnorm.trainer.scoring import score_by_length
-from gradnorm.core.sharding import make_plan
-from gradnorm.trainer.trainconfig import TrainConfig, parse_config
-from gradnorm.core.accumulate import accumulate_gradients
 
 
 class TrainingError(RuntimeError):
@@ -116,10 +110,10 @@ class TrainingError(RuntimeError):
 
 def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> None:
     """Build, then run the five steps of the module docstring for every optimizer step."""
-    W, A, U = ctx.world_size, cfg.grad_accum_steps, cfg.updates_per_rollout
+    U = cfg.updates_per_rollout
     out = Path(cfg.output_dir)
-    task, model, score = build_policy(cfg, ctx.device)
-    P = task.prompt_len
+    task, policy = build_policy(cfg, ctx.device)
+    model = policy.model
     # bf16 autocast around every forward pass (never the backward); log-softmax, loss weights and
     # statistics stay fp32/fp64 and counts int64 inside it, so the normalization is unchanged.
     amp_dtype = cfg.autocast_dtype(ctx.device.type)
@@ -127,143 +121,112 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     def autocast():
         return contextlib.nullcontext() if amp_dtype is None else torch.autocast(ctx.device.type, dtype=amp_dtype)
 
-    run = start_or_resume(cfg, model, task, ckpt_path, autocast)
+    state = checkpoints.start_or_resume(cfg, policy, task, ckpt_path, autocast)
     ref = None
     if cfg.beta > 0:  # the frozen reference: the policy after warm-up (on resume, the checkpoint's)
         ref = copy.deepcopy(model).requires_grad_(False).eval()
     # What the training forward goes through: DDP around the model, or the model itself (FSDP2
     # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
-    dp_model = wrap.wrap_policy(model, cfg.parallel, ctx)
+    dp_model = wrap_for_training(policy, cfg.parallel, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if ckpt_path is not None:  # weights, AdamW state, reference and RNGs, resharded to this W and --parallel
-        load_checkpoint(ckpt_path, model, opt, ref, ctx)
-        comm.print0(f"resumed from {ckpt_path} at step {run.step}")
+        checkpoints.load_checkpoint(ckpt_path, model, opt, ref, ctx)
+        comm.print0(f"resumed from {ckpt_path} at step {state.step}")
 
     # rank 0 writes the run's files (the directory is locked and an old run set aside by main)
-    metrics = open_run_files(out, cfg, W, run.step, run.warmup) if ctx.is_main else None
-    bar = tqdm(total=cfg.steps, initial=run.step, disable=not (ctx.is_main and sys.stderr.isatty()),
+    metrics = runfiles.open_run_files(out, cfg, ctx.world_size, state.step, state.warmup) if ctx.is_main else None
+    bar = tqdm(total=cfg.steps, initial=state.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
-    elapsed0 = run.elapsed_s
-    timer = phases.PhaseTimer(ctx.device)  # laps between the numbered steps: where a step's time goes
+    elapsed0 = state.elapsed_s
+    timer = runfiles.PhaseTimer(ctx.device)  # laps between the numbered steps: where a step's time goes
     t0 = t_prev = timer.last
     rollout = old_logp = ref_logp = None
-    for step in range(run.step + 1, cfg.steps + 1):
+    for step in range(state.step + 1, cfg.steps + 1):
         # 1. Rollout: sampled once per rollout batch, then reused by its U updates.
         j = (step - 1) % U  # which update of the current rollout batch this is
         if j == 0 or rollout is None:
             # sharded: this rank samples its share of the groups, then one all_gather; replicated: all of them
-            share = dict(rank=ctx.rank, world_size=W) if cfg.rollouts == "sharded" else dict(rank=0, world_size=1)
-            with wrap.gathered_for_sampling(model) as sampler, autocast():
-                rollout = generate_rollout(sampler, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
+            share = dict(rank=ctx.rank, world_size=ctx.world_size) if cfg.rollouts == "sharded" else {}
+            with autocast():
+                rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                            group_size=cfg.group_size, seed=cfg.seed, step=step - j,
                                            temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
             timer.lap("rollout")
             with torch.no_grad(), autocast():  # log-probs of the sampling policy, needed once samples are reused
-                old_logp = score_by_length(score, model, rollout.tokens, P, rollout.lengths)[0] if U > 1 else None
-                ref_logp = score_by_length(score, ref, rollout.tokens, P, rollout.lengths)[0] if ref is not None else None
+                old_logp = steps.score(policy, model, rollout) if U > 1 else None
+                ref_logp = steps.score(policy, ref, rollout) if ref is not None else None
             timer.lap("scoring")
-        mb_index = j % cfg.minibatches_per_rollout
-        mb = rollout.groups(mb_index * cfg.prompts_per_step, cfg.prompts_per_step)
-        rows = slice(mb_index * cfg.sequences_per_step, (mb_index + 1) * cfg.sequences_per_step)
-        mb_old = None if old_logp is None else old_logp[rows]
-        mb_ref = None if ref_logp is None else ref_logp[rows]
+        k = j % cfg.minibatches_per_rollout  # which minibatch of the rollout batch this step trains on
+        rows = slice(k * cfg.sequences_per_step, (k + 1) * cfg.sequences_per_step)
+        batch = steps.Minibatch(rollout=rollout.groups(k * cfg.prompts_per_step, cfg.prompts_per_step),
+                                old_logp=None if old_logp is None else old_logp[rows],
+                                ref_logp=None if ref_logp is None else ref_logp[rows],
+                                rollout_digest=rollout.digest())
 
         # 2. Shard: this rank's microbatches of the global minibatch.
-        lengths = mb.lengths.cpu()
-        plan = make_plan(cfg.shard, lengths, W, A)
-
-        def token_losses(idx):  # the forward pass of one microbatch, through DDP or FSDP
-            with autocast():
-                logp, entropy = score_by_length(score, dp_model, mb.tokens[idx], P, mb.lengths[idx])  # fp32 even under autocast
-            return grpo_token_losses(
-                logp, logp.detach() if mb_old is None else mb_old[idx], mb.advantages[idx],
-                ref_logp=None if mb_ref is None else mb_ref[idx], beta=cfg.beta, clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator, entropy=entropy.detach(),
-            )
-
-        # 3. Accumulate: THE all-reduce of counts (the fix), then every microbatch's backward.
+        plan = steps.plan_for(batch, cfg, ctx.world_size)
         opt.zero_grad(set_to_none=True)
         timer.lap("shard")
-        counts = comm.global_counts(plan[ctx.rank], mb.lengths, mb.group_ids, mb.num_groups, cfg.denominator)
+        # 3. Accumulate: THE all-reduce of counts (the fix), then every microbatch's backward.
+        counts = steps.counts_for(batch, plan, cfg, ctx.rank)
         timer.lap("counts")
-        sums = accumulate_gradients(dp_model, plan[ctx.rank], mb.mask, mb.group_ids, counts,
-                                    cfg.denominator, token_losses, W)
+        sums = steps.backward(policy, dp_model, batch, plan, counts, cfg, ctx, autocast)
         timer.lap("forward_backward")
 
-        # 4. Step: clip the global norm; skip the update on every rank if anything is non-finite.
-        grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # global, also over FSDP shards
-        # The logging collective; its tail carries the ranks' stop votes (gradnorm.trainer.preemption).
-        reduced = comm.all_reduce_sum(torch.cat([sums, preemption.votes(sums)])).cpu()
-        stats = finalize_stats(reduced[:NUM_STATS], with_kl=cfg.beta > 0)
-        apply_or_skip(opt, grad_norm, stats, run, step, cfg)
+        # 4. Step: clip the global norm; one all-reduce of the statistics (and the ranks' stop
+        # votes); skip the update on every rank if anything is non-finite.
+        grad_norm = steps.clip(policy, cfg.max_grad_norm)
+        stats = steps.reduce_stats(sums, with_kl=cfg.beta > 0)
+        steps.apply_or_skip(opt, grad_norm, stats, state, step, cfg.max_skipped_steps)
         timer.lap("optimizer")
 
         # 5. Log (rank 0) and checkpoint.
         now = timer.last  # the step ends at its last lap, so its phase times add up to its wall time
-        phase_times = timer.split(comm.all_reduce_max)  # rank 0's laps, and the max over ranks (a tiny all-reduce)
-        record = step_record(step, stats, grad_norm, mb, lengths, plan, rollout, run.skipped,
-                             tokens_per_second=stats["tokens"] / max(now - t_prev, 1e-9),
-                             elapsed_s=elapsed0 + now - t0, device=ctx.device)
-        record.update(phase_times)
+        line = steps.record(step, stats, grad_norm, batch, plan, state.skipped)
+        line.update(tokens_per_second=stats.tokens / max(now - t_prev, 1e-9), elapsed_s=elapsed0 + now - t0,
+                    **runfiles.timing_fields(ctx.device))
+        line.update(timer.split(comm.all_reduce_max))  # rank 0's laps, and the max over ranks (a tiny all-reduce)
         t_prev = now
-        run.step, run.elapsed_s = step, record["elapsed_s"]
+        state.step, state.elapsed_s = step, line["elapsed_s"]
         if ctx.is_main:
-            write_record(metrics, bar, record, cfg)
+            runfiles.write_record(metrics, bar, line, cfg)
         timer.lap("log")
-        stop = preemption.agreed(reduced[NUM_STATS:]) if step % U == 0 else None  # only between rollouts
+        stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop:
-            save_checkpoint(out, model, opt, ref, run, ctx)
+            checkpoints.save_checkpoint(out, model, opt, ref, state, ctx)
         timer.lap("checkpoint")
         if stop and step < cfg.steps:
-            raise preemption.Stopped(stop, step, checkpointing.checkpoint_dir(out, step))
-        if run.in_a_row >= cfg.max_skipped_steps:
-            raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
-                                "the weights are unchanged since step " f"{step - run.in_a_row}: lower --lr or "
+            raise guards.Stopped(stop, step, checkpoints.checkpoint_dir(out, step))
+        if state.in_a_row >= cfg.max_skipped_steps:
+            raise TrainingError(f"{state.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
+                                "the weights are unchanged since step " f"{step - state.in_a_row}: lower --lr or "
                                 "check the reward, or raise --max-skipped-steps")
     bar.close()
     comm.print0(f"last checkpoint written in {timer.peek('checkpoint'):.2f} s (each line of metrics.jsonl has the one before it)")
     if cfg.export_dir is not None:  # the trained Hugging Face policy, loadable with from_pretrained
-        export.save_trained(model, task.tokenizer_hf, cfg.export_dir, ctx.is_main)
+        checkpoints.save_trained(model, task.tokenizer_hf, cfg.export_dir, ctx.is_main)
     if ctx.is_main:
         metrics.close()
-        summarize(out, cfg.plot)
-
-
-def apply_or_skip(opt: torch.optim.Optimizer, grad_norm: torch.Tensor, stats: dict, run: RunState, step: int,
-                  cfg: TrainConfig) -> None:
-    """Step the optimizer, or skip the update when the loss or the gradient is not finite.
-
-    grad_norm (after DDP's all-reduce) and the stats (all-reduced) are the same on every rank, so
-    every rank takes the same decision without another collective. NaN never reaches the weights.
-    """
-    if bool(torch.isfinite(grad_norm)) and all(math.isfinite(v) for v in stats.values()):
-        opt.step()
-        run.in_a_row = 0
-        return
-    opt.zero_grad(set_to_none=True)
-    run.skipped, run.in_a_row = run.skipped + 1, run.in_a_row + 1
-    comm.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats['loss']}, grad_norm "
-                f"{float(grad_norm)}); skipped the update ({run.in_a_row} in a row, "
-                f"--max-skipped-steps {cfg.max_skipped_steps})", file=sys.stderr)
+        runfiles.summarize(out, cfg.plot)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Check everything, lock the run directory, train; 0, or 2 for bad input and 1 for a failed run."""
-    rank, run_dir = preflight.error_rank(), None
+    rank, run_dir = guards.error_rank(), None
     try:  # every rank checks the same flags, files and environment, before any model exists
-        rank, world_size = preflight.launch_environment()
+        rank, world_size = guards.launch_environment()
         cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
-        preflight.check_inputs(cfg)
-        rundir.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite)
-        ckpt_path = resume_point(cfg)
-        memory.check_fits(cfg, world_size, preflight.device_of(cfg), sharing=memory.local_ranks())
+        guards.check_inputs(cfg)
+        runfiles.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite)
+        ckpt_path = runfiles.resume_point(cfg)
+        guards.check_fits(cfg, world_size, guards.device_of(cfg), sharing=guards.local_ranks())
         if rank == 0:  # rank 0 alone writes output-dir
-            run_dir = rundir.RunDir(cfg.output_dir)
+            run_dir = runfiles.RunDir(cfg.output_dir)
             run_dir.open(cfg.resume, cfg.overwrite)
     except ValueError as err:
         if run_dir is not None:
             run_dir.close(succeeded=False)
-        failures.report_error(str(err), rank)
+        guards.report_error(str(err), rank)
         return 2
     succeeded = False
     try:
@@ -272,17 +235,17 @@ def main(argv: list[str] | None = None) -> int:
             ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
                              device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
         except (RuntimeError, ValueError) as err:  # the rendezvous failed (address, port, a peer that never came)
-            failures.report_error(f"could not join the process group ({str(err).strip().splitlines()[0][:200]})", rank)
+            guards.report_error(f"could not join the process group ({str(err).strip().splitlines()[0][:200]})", rank)
             return 1
         try:
             train(cfg, ctx, ckpt_path)
             succeeded = True
-        except (ValueError, TrainingError, checkpointing.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
+        except (ValueError, TrainingError, checkpoints.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
             # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
-            step = None if isinstance(err, TrainingError) else failures.failed_step(err, train.__code__)  # it says
-            failures.report_error(failures.explain(err, ctx.device, step), ctx.rank)
+            step = None if isinstance(err, TrainingError) else guards.failed_step(err, train.__code__)  # it says
+            guards.report_error(guards.explain(err, ctx.device, step), ctx.rank)
             return 1
-        except preemption.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
+        except guards.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
             if ctx.is_main:
                 print(stopped, file=sys.stderr, flush=True)
             return stopped.exit_code
@@ -295,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with preemption.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
+    with guards.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
         code = main()
     if comm.launched_by_torchrun():
         # Skip interpreter finalization under torchrun. A gloo worker thread may still be dropping

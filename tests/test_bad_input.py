@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from gradnorm.trainer.preflight import TORCHRUN_VARS
+from gradnorm.trainer.guards import TORCHRUN_VARS
 from gradnorm.train import main
-from gradnorm.trainer.trainconfig import TrainConfig
+from gradnorm.trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "--eval-prompts", "2",
@@ -84,7 +84,7 @@ def run_with(flags=(), config=None, checkpoint="ckpt_step2", extra=None):
         if config is not None:
             (run / "config.json").write_text(config)
         else:
-            from gradnorm.trainer.trainconfig import build_parser
+            from gradnorm.trainer.config import build_parser
 
             cfg = TrainConfig(**vars(build_parser().parse_args([*QUICK, *flags, "--output-dir", str(run)])))
             (run / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": 1}))
@@ -285,7 +285,7 @@ def test_the_command_line_says_the_same_in_one_line(name, cli_results):
 def test_every_numeric_flag_has_a_range_and_the_table_checks_the_ones_the_audit_broke():
     from typing import get_type_hints
 
-    from gradnorm.trainer.flagrules import BOUNDS
+    from gradnorm.trainer.config import BOUNDS
 
     numeric = {name for name, kind in get_type_hints(TrainConfig).items() if kind in (int, float)}
     assert set(BOUNDS) == numeric

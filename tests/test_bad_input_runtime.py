@@ -17,17 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from gradnorm.trainer import checkpointing, memory, preflight
+from gradnorm.trainer import checkpoints as checkpointing, guards as memory, guards as preflight
 from gradnorm import train as train_module
+from gradnorm.trainer import step as trainer_step
 from gradnorm.tasks.rewards import RewardError, call_reward
-from gradnorm.trainer.rundir import RunDir
+from gradnorm.trainer.run import RunDir
 from gradnorm.tasks import RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer.runlog import open_metrics, write_record
-from gradnorm.trainer.runstate import RUN_FIELDS
+from gradnorm.trainer.run import open_metrics, write_record
+from gradnorm.trainer.checkpoints import RUN_FIELDS
 from gradnorm.train import main
-from gradnorm.trainer.flagrules import CHANGEABLE_ON_RESUME
-from gradnorm.trainer.trainconfig import TrainConfig, field_docs, parse_config
+from gradnorm.trainer.config import CHANGEABLE_ON_RESUME
+from gradnorm.trainer.config import TrainConfig, field_docs, parse_config
 from gradnorm.teach.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_a_fresh_run_that_fails_before_its_first_step_leaves_nothing(tmp_path, m
 
 
 def test_a_non_finite_step_prints_null_instead_of_crashing(tmp_path, monkeypatch, capsys):
-    honest, calls = train_module.grpo_token_losses, []
+    honest, calls = trainer_step.grpo_token_losses, []
 
     def poisoned(*args, **kwargs):  # step 2's loss is NaN: the step is skipped and logged as null
         calls.append(None)
@@ -105,7 +106,7 @@ def test_a_non_finite_step_prints_null_instead_of_crashing(tmp_path, monkeypatch
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(train_module, "grpo_token_losses", poisoned)
+    monkeypatch.setattr(trainer_step, "grpo_token_losses", poisoned)
     assert run_main(tmp_path / "run", "--steps", "3", "--log-every", "1") == 0
     captured = capsys.readouterr()
     assert "step 2/3 reward" in captured.out and "loss null grad_norm null" in captured.out, captured.out

@@ -43,7 +43,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpointing
+from gradnorm.trainer import checkpoints as checkpointing
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 from gradnorm.train import main
@@ -156,9 +156,11 @@ def test_taking_the_state_of_a_fresh_optimizer_does_not_change_its_next_update()
 def test_the_export_command_says_in_one_line_what_it_cannot_convert(config, says, tmp_path, capsys):
     from gradnorm import export
 
+    run = tmp_path / "run"  # the export goes beside it: inside a run only its final/ may be written
+    run.mkdir()
     if config is not None:
-        (tmp_path / "config.json").write_text(json.dumps(config))
-    assert export.main([str(tmp_path), "--out", str(tmp_path / "hf")]) == 1
+        (run / "config.json").write_text(json.dumps(config))
+    assert export.main([str(run), "--out", str(tmp_path / "hf")]) == 2  # bad input, as for the trainer
     one_error_line(capsys.readouterr().err, says)
     assert not (tmp_path / "hf").exists()
 

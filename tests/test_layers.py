@@ -1,11 +1,13 @@
-"""The layers of DESIGN.md hold: the notebooks' side loads no distributed code, only gradnorm/dist/
-touches torch.distributed, and every library file stays small.
+"""The architecture of docs/design.md holds: which package may import which, no import cycle, only
+gradnorm/dist/ touches torch.distributed, and the notebooks' side loads no distributed code.
 
-Imports are checked in a fresh interpreter, so that nothing this test session already imported
-hides what a notebook's imports load. ``import torch`` itself (torch 2.13) already loads
-``torch.distributed`` and ``torch.nn.parallel.distributed``: the check subtracts what a bare
-``import torch`` loads and asserts only on what gradnorm's imports add. Each check has a control
-that must trip it, so a check that cannot fail would show.
+The import table is read from the source with ``ast`` (imports inside functions count: a lazy
+import is still a dependency), over every module of the package. Loading is checked in a fresh
+interpreter, so that nothing this test session already imported hides what a notebook's imports
+load. ``import torch`` itself (torch 2.13) already loads ``torch.distributed`` and
+``torch.nn.parallel.distributed``: that check subtracts what a bare ``import torch`` loads and
+asserts only on what gradnorm's imports add. Each check has a control that must trip it, so a
+check that cannot fail would show.
 """
 
 import ast
@@ -18,19 +20,140 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gradnorm"
 
-# Everything the notebooks, the widgets and the figure script import from gradnorm.
-NOTEBOOK_FACING = (
-    "gradnorm.teach.toy", "gradnorm.core.modes", "gradnorm.teach.imbalance", "gradnorm.teach.sweeps", "gradnorm.teach.lengthbias",
-    "gradnorm.teach.runs", "gradnorm.teach.plotting", "gradnorm.teach.lengthplots", "gradnorm.teach.widgets", "gradnorm.trainer.curves",
-    "gradnorm.core.simulate", "gradnorm.teach.worked_example",
-)
-# The distributed shell and what it wraps: none of it may come with a notebook's imports.
+# Which of gradnorm's packages each part may import (its own always). "entry" is the package's
+# top level: gradnorm/__init__.py and the commands gradnorm/train.py and gradnorm/export.py.
+ALLOWED = {
+    "core": set(),
+    "dist": {"core"},
+    "models": {"core"},
+    "tasks": set(),
+    "trainer": {"core", "dist", "models", "tasks"},
+    "entry": {"core", "dist", "models", "tasks", "trainer"},
+    "teach": {"core", "dist", "models", "tasks", "trainer"},
+    "audit": {"core", "teach"},
+}
+# The teaching modules that exist to start processes (spawned gloo ranks, torchrun runs): the only
+# ones a notebook imports that may load the distributed shell.
+LAUNCHERS = {"gradnorm.teach.launch", "gradnorm.teach.harness", "gradnorm.teach.checks"}
+# The distributed shell and what it wraps: none of it may come with a notebook's other imports.
 SHELL = ("gradnorm.dist", "gradnorm.core.accumulate", "torch.nn.parallel.distributed", "torch.distributed.fsdp")
 
-MAX_LINES = 350
-# Files over MAX_LINES that are being split elsewhere; each may not grow, and must leave this list
-# once it fits (the test fails on a stale entry).
-KNOWN_LONG: dict[str, int] = {}  # files allowed over MAX_LINES for now: none
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def library_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+MODULES = {module_name(p): p for p in library_files()}
+
+
+def part_of(module: str) -> str:
+    """The package of ``module`` under gradnorm/ ("core", "trainer"...), or "entry" for the top level."""
+    parts = module.split(".")
+    return parts[1] if len(parts) >= 2 and (PACKAGE / parts[1]).is_dir() else "entry"
+
+
+def gradnorm_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every gradnorm module ``path`` imports, at any depth of the file.
+
+    ``from gradnorm.trainer import checkpoints`` imports the module gradnorm.trainer.checkpoints;
+    ``from gradnorm.tasks import RepeatTask`` imports the package gradnorm.tasks.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "gradnorm"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "gradnorm":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.append((node.lineno, sub if sub in MODULES else node.module))
+    return found
+
+
+def layer_violations(files: dict[str, Path]) -> list[str]:
+    bad = []
+    for name, path in files.items():
+        mine = part_of(name)
+        for line, target in gradnorm_imports(path):
+            theirs = part_of(target)
+            if theirs != mine and theirs not in ALLOWED[mine] and target != "gradnorm":
+                bad.append(f"{path}:{line}: {mine} imports {target} ({theirs})")
+    return bad
+
+
+def test_every_import_follows_the_table():
+    assert layer_violations(MODULES) == []
+
+
+def test_control_the_table_trips_on_a_shell_module_that_imports_the_trainer(tmp_path):
+    rogue = tmp_path / "rogue.py"
+    rogue.write_text("def f():\n    from gradnorm.trainer import checkpoints  # a lazy import counts\n")
+    found = layer_violations({"gradnorm.dist.rogue": rogue})
+    assert len(found) == 1 and found[0].endswith(":2: dist imports gradnorm.trainer.checkpoints (trainer)")
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan), or a self-import."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: {t for _, t in gradnorm_imports(path) if t in MODULES and t != name}
+            for name, path in MODULES.items()}
+
+
+def test_no_import_cycle_anywhere():
+    assert cycles(import_graph()) == []
+
+
+def test_control_a_cycle_is_found():
+    graph = import_graph()
+    graph["gradnorm.core.grpo"] = graph["gradnorm.core.grpo"] | {"gradnorm.trainer.step"}
+    assert any("gradnorm.core.grpo" in c and "gradnorm.trainer.step" in c for c in cycles(graph))
+
+
+def test_the_loop_imports_at_most_ten_gradnorm_modules():
+    # gradnorm/train.py holds the training loop; `from gradnorm.dist import comm` counts
+    # gradnorm.dist and gradnorm.dist.comm, as Python loads both.
+    loaded = set()
+    for _, target in gradnorm_imports(PACKAGE / "train.py"):
+        parts = target.split(".")
+        loaded |= {".".join(parts[:k]) for k in range(2, len(parts) + 1)}
+    assert len(loaded) <= 10, sorted(loaded)
+
+
+def test_the_trainer_is_at_most_nine_modules():
+    assert len([p for p in (PACKAGE / "trainer").glob("*.py") if p.name != "__init__.py"]) <= 9
 
 
 def added_by_import(*modules: str) -> set[str]:
@@ -52,13 +175,22 @@ def shell_modules(loaded: set[str]) -> list[str]:
     return sorted(m for m in loaded if any(m == s or m.startswith(s + ".") for s in SHELL))
 
 
+# Everything the notebooks and the figure script import from gradnorm, launchers aside: every
+# teaching module, the audit, the core, and the learning curve.
+NOTEBOOK_FACING = sorted(
+    name for name in MODULES
+    if (part_of(name) in ("teach", "audit") or name.startswith("gradnorm.core.")) and name not in LAUNCHERS
+    and name not in ("gradnorm.core.accumulate", "gradnorm.audit.__main__")
+) + ["gradnorm.trainer.curves"]
+
+
 def test_the_notebooks_imports_load_no_distributed_code():
     loaded = added_by_import(*NOTEBOOK_FACING)
     assert set(NOTEBOOK_FACING) <= loaded  # they were imported here, not by torch
     assert shell_modules(loaded) == []
 
 
-def test_control_the_harness_imports_the_shell():
+def test_control_the_launchers_import_the_shell():
     # The same check must trip on the multi-process harness ...
     loaded = added_by_import("gradnorm.teach.harness")
     assert {"gradnorm.dist", "gradnorm.dist.comm", "gradnorm.dist.wrap", "gradnorm.core.accumulate"} <= set(
@@ -87,20 +219,8 @@ def torch_distributed_uses(path: Path) -> list[str]:
     return found
 
 
-def library_files() -> list[Path]:
-    return sorted(PACKAGE.rglob("*.py"))
-
-
 def test_only_gradnorm_dist_touches_torch_distributed():
     outside = [p for p in library_files() if PACKAGE / "dist" not in p.parents]
     assert [use for p in outside for use in torch_distributed_uses(p)] == []
     # control: the scan finds the shell's own use
     assert torch_distributed_uses(PACKAGE / "dist" / "comm.py")
-
-
-def test_every_library_file_is_small():
-    lengths = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in library_files()}
-    too_long = {name: n for name, n in lengths.items() if n > KNOWN_LONG.get(name, MAX_LINES)}
-    assert too_long == {}, f"split these by concern (at most {MAX_LINES} lines each)"
-    stale = [name for name in KNOWN_LONG if lengths.get(name, 0) <= MAX_LINES]
-    assert stale == [], "these now fit: remove them from KNOWN_LONG"

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from gradnorm.trainer import phases
-from gradnorm.trainer.runlog import TIMING_KEYS
+from gradnorm.trainer import run as phases
+from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.train import main
 
 

@@ -1,6 +1,6 @@
 """Preemption: SIGTERM and SIGINT finish the step, checkpoint, exit with 143 or 130, and lose nothing.
 
-What must hold (gradnorm/trainer/preemption.py; the trainer's use of it is four lines in train.py):
+What must hold (gradnorm/trainer/guards.py; the trainer's use of it is four lines in train.py):
 - a signal inside ``catch_signals`` only records a request (no KeyboardInterrupt, the process goes
   on); the handlers before it are back afterwards; ``agreed`` picks the same signal on every rank;
 - a second signal exits at once (143, one line) even while the main thread is blocked in C++
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.trainer import checkpointing, preemption
-from gradnorm.trainer.runlog import TIMING_KEYS
+from gradnorm.trainer import checkpoints as checkpointing, guards as preemption
+from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_stopped_names_the_signal_the_step_and_the_exit_code(tmp_path):
 BLOCKED = """
 import datetime, os, signal, sys, time
 import torch.distributed as dist
-from gradnorm.trainer import preemption
+from gradnorm.trainer import guards as preemption
 from gradnorm.dist.spawn import free_port
 with preemption.catch_signals():
     os.kill(os.getpid(), signal.SIGTERM)
@@ -171,9 +171,9 @@ def test_ctrl_c_on_plain_python_checkpoints_and_exits_130_without_a_traceback(tm
 
 def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monkeypatch, capsys):
     """U = 2 updates per rollout: a checkpoint between them could not be resumed exactly (the rollout is not saved)."""
-    from gradnorm import train as train_module
+    from gradnorm.trainer import run as runfiles
 
-    honest = train_module.write_record
+    honest = runfiles.write_record
 
     def signal_at_step_2(metrics_file, bar, record, cfg):
         honest(metrics_file, bar, record, cfg)
@@ -183,7 +183,7 @@ def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monk
 
     flags = [*TINY, "--steps", "8", "--minibatches-per-rollout", "2"]
     stopped, full = tmp_path / "stopped", tmp_path / "full"
-    monkeypatch.setattr(train_module, "write_record", signal_at_step_2)
+    monkeypatch.setattr(runfiles, "write_record", signal_at_step_2)
     with preemption.catch_signals():
         assert main([*flags, "--output-dir", str(stopped)]) == 143
     assert assert_stopped_cleanly(stopped, capsys.readouterr().err, "SIGTERM") == 4

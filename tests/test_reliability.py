@@ -27,13 +27,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpointing
+from gradnorm.trainer import checkpoints as checkpointing
 from gradnorm.dist import state as dist_state
-from gradnorm.trainer import rollout as rollout_module
+from gradnorm.models import tinygpt as tinygpt_module
 from gradnorm import train as train_module
+from gradnorm.trainer import step as trainer_step
 from gradnorm.trainer.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
-from gradnorm.trainer.runlog import TIMING_KEYS
+from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.train import main
 from gradnorm.teach.launch import torchrun_command
 
@@ -103,7 +104,7 @@ def test_the_trainer_stops_on_a_nan_reward_with_one_line(tmp_path, monkeypatch, 
 
 def poison_losses(monkeypatch, bad_steps):
     """Make the per-token loss NaN on the given steps (one microbatch per step with W = A = 1)."""
-    honest, calls = train_module.grpo_token_losses, []
+    honest, calls = trainer_step.grpo_token_losses, []
 
     def poisoned(*args, **kwargs):
         calls.append(None)
@@ -112,7 +113,7 @@ def poison_losses(monkeypatch, bad_steps):
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(train_module, "grpo_token_losses", poisoned)
+    monkeypatch.setattr(trainer_step, "grpo_token_losses", poisoned)
 
 
 def test_a_nan_loss_skips_the_update_warns_and_is_counted(tmp_path, monkeypatch, capsys):
@@ -151,7 +152,7 @@ def test_responses_that_are_only_eos_train_with_finite_metrics(tmp_path, monkeyp
         response[:, 0] = eos_id
         return torch.cat([prompts, response], dim=1)
 
-    monkeypatch.setattr(rollout_module, "generate", eos_first)
+    monkeypatch.setattr(tinygpt_module, "generate", eos_first)  # what TinyGPTPolicy.sample calls
     out = tmp_path / "run"
     assert run_main(out, "--steps", "2", "--grad-accum-steps", "2", "--shard", "length") == 0
     for m in metrics(out):

@@ -20,6 +20,7 @@ from torch.testing import assert_close
 
 from gradnorm.dist import wrap
 from gradnorm.dist.spawn import spawn_gloo
+from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout, group_split, sequence_uniforms
 from gradnorm.models.sampling import NonFiniteLogitsError, decode, sample_next
 from gradnorm.tasks import CharTokenizer, RepeatTask
@@ -180,9 +181,8 @@ def sharded_rollouts(ctx, cases):
         model = stops_on_a(task)
         if fsdp:
             wrap.wrap_fsdp(model, blocks=list(model.blocks))
-        with wrap.gathered_for_sampling(model) as sampler:
-            rollout = generate_rollout(sampler, task, num_prompts=num_prompts, group_size=4, seed=5, step=1,
-                                       temperature=1.0, rank=ctx.rank, world_size=ctx.world_size)
+        rollout = generate_rollout(TinyGPTPolicy(model), task, num_prompts=num_prompts, group_size=4, seed=5, step=1,
+                                   temperature=1.0, rank=ctx.rank, world_size=ctx.world_size)
         found.append({"tokens": rollout.tokens, "rewards": rollout.rewards, "steps": model.calls})
     return found
 
@@ -195,7 +195,7 @@ def test_sharded_generation_with_uneven_finish_gathers_the_one_process_batch():
     ranks = spawn_gloo(sharded_rollouts, 2, CASES)
     for k, (num_prompts, fsdp) in enumerate(CASES):
         model = stops_on_a(task)
-        single = generate_rollout(model, task, num_prompts=num_prompts, group_size=4, seed=5, step=1, temperature=1.0)
+        single = generate_rollout(TinyGPTPolicy(model), task, num_prompts=num_prompts, group_size=4, seed=5, step=1, temperature=1.0)
         for rank in range(2):
             got = ranks[rank][k]
             assert torch.equal(got["tokens"], single.tokens), (k, rank)
@@ -213,7 +213,7 @@ def test_sharded_generation_with_uneven_finish_gathers_the_one_process_batch():
 
 def test_rollouts_flag_takes_sharded_or_replicated_and_rejects_anything_else(capsys):
     from gradnorm.train import main
-    from gradnorm.trainer.trainconfig import parse_config
+    from gradnorm.trainer.config import parse_config
 
     assert parse_config([]).rollouts == "sharded"
     assert parse_config(["--rollouts", "replicated"]).rollouts == "replicated"

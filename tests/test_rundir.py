@@ -1,6 +1,6 @@
 """The run directory with directory checkpoints: only a complete ``ckpt_step{N}/`` counts.
 
-gradnorm.trainer.rundir decides from what --output-dir holds whether an --overwrite's replacement has
+gradnorm.trainer.run decides from what --output-dir holds whether an --overwrite's replacement has
 reached a checkpoint, and so whether the old run set aside in previous_run/ may go. A save killed
 mid-write leaves a ``.ckpt_step{N}.tmp/`` that must not count; what a run left, checkpoint
 directories and torn ones included, is set aside and put back whole. A save that fails says how
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gradnorm.trainer import rundir
-from gradnorm.trainer.rundir import RunDir
+from gradnorm.trainer import run as rundir
+from gradnorm.trainer.run import RunDir
 from gradnorm.train import main
 from test_bad_input_runtime import every_file
 from test_checkpoints import fail_in_publish

@@ -15,7 +15,7 @@ PWNED never appears:
 - ``python -m gradnorm.export RUN`` (``checkpointing.read_tensors``) on a checkpoint poisoned in
   every container a loader meets: ``.metadata`` pickled with protocol 2 and with the highest, a
   tensor payload saved by ``torch.save`` in its zip and in its legacy format. One ``error:`` line,
-  exit 1, nothing exported;
+  exit 2 (bad input), nothing exported;
 - the objects DCP pickles beside the tensors (the optimizer's ``param_groups``), which DCP's own
   loader unpickles with ``weights_only=False``: a checkpoint whose ``param_groups`` entry is poisoned
   still loads through ``--resume``'s loader and the export's, since they ask DCP for tensors only;
@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.trainer import checkpointing
+from gradnorm.trainer import checkpoints as checkpointing
 from gradnorm import export
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
@@ -121,7 +121,7 @@ def test_exporting_a_poisoned_checkpoint_is_one_line_and_its_payload_never_runs(
     target, run = tmp_path / "PWNED", tmp_path / "run"
     poison, says = POISONS[kind]
     poison(real_run(run), target)
-    assert export.main([str(run), "--out", str(tmp_path / "hf")]) == 1
+    assert export.main([str(run), "--out", str(tmp_path / "hf")]) == 2  # bad input: found before any write
     err = capsys.readouterr().err
     one_error_line(err, says)
     assert "weights_only=False" not in err  # torch's own message suggests it; ours never repeats it

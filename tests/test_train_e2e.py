@@ -27,10 +27,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpointing
-from gradnorm.trainer.phases import MAX_PHASES, PHASES
-from gradnorm.trainer.phases import METRIC_KEYS as PHASE_KEYS
-from gradnorm.trainer.runlog import TIMING_KEYS
+from gradnorm.trainer import checkpoints as checkpointing
+from gradnorm.trainer.run import MAX_PHASES, PHASES
+from gradnorm.trainer.run import METRIC_KEYS as PHASE_KEYS
+from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.teach.launch import torchrun_command
 
 pytestmark = pytest.mark.slow
@@ -148,7 +148,7 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(runs):
 
 
 def test_two_ranks_log_every_phase_with_the_max_over_ranks(runs):
-    """The phase times of the 2-rank run (gradnorm.trainer.phases): present, adding up, max over ranks >= rank 0's."""
+    """The phase times of the 2-rank run (gradnorm.trainer.run): present, adding up, max over ranks >= rank 0's."""
     _, base = runs
     previous = 0.0
     for m in metrics(base / "full"):

@@ -38,11 +38,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpointing
-from gradnorm.trainer.runlog import TIMING_KEYS
-from gradnorm.trainer.runstate import build_policy, warm_up
+from gradnorm.trainer import checkpoints as checkpointing
+from gradnorm.trainer.run import TIMING_KEYS
+from gradnorm.trainer.policy import build_policy, warm_up
 from gradnorm.train import main
-from gradnorm.trainer.trainconfig import parse_config
+from gradnorm.trainer.config import parse_config
 from test_bad_input_runtime import every_file
 from test_reliability import one_error_line
 
@@ -86,7 +86,7 @@ def continued(base: Path, source: str, name: str, *flags: str) -> Path:
     out = base / name
     out.mkdir()
     # A bare checkpoint, without config.json, resumes without comparing the flags: the local control
-    # changes A and the sharding, which a --resume of a local run refuses (gradnorm.trainer.flagrules).
+    # changes A and the sharding, which a --resume of a local run refuses (gradnorm.trainer.config).
     shutil.copytree(base / source / "ckpt_step1", out / "ckpt_step1")
     shutil.copy(base / source / "metrics.jsonl", out)
     torchrun(out, "--steps", "2", "--resume", *SHARDED, *flags)
@@ -132,7 +132,8 @@ def test_the_reference_is_the_policy_after_warm_up_frozen_and_checkpointed(kl_ru
              for s in (1, 2, 3, 4)]
     cfg = parse_config([*TINY, "--beta", str(BETA)])
     torch.set_num_threads(cfg.cpu_threads)
-    task, policy, _ = build_policy(cfg, torch.device("cpu"))
+    task, built = build_policy(cfg, torch.device("cpu"))
+    policy = built.model
     warm_up(policy, task, cfg)
     for name, tensor in policy.state_dict().items():
         assert torch.equal(ckpts[0]["ref"][name], tensor), name

@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.trainer import checkpointing
+from gradnorm.trainer import checkpoints as checkpointing
 from gradnorm.trainer.curves import plot_learning_curve, write_learning_curve
 from gradnorm.dist import state as dist_state
 from gradnorm.teach.runs import moving_average
+from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout, response_mask, seeded_generator
 from gradnorm.core.sharding import make_plan
 from gradnorm.tasks import RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer.trainconfig import TrainConfig, build_parser, field_docs, parse_config
+from gradnorm.trainer.config import TrainConfig, build_parser, field_docs, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -103,10 +104,10 @@ def small_model(seed=0):
 def test_rollouts_depend_on_seed_and_step_only_and_two_ranks_slices_rebuild_them():
     task, model = small_model()
     kwargs = dict(num_prompts=6, group_size=4, seed=7, temperature=1.0)
-    one = generate_rollout(model, task, step=3, **kwargs)
-    again = generate_rollout(model, task, step=3, **kwargs)
+    one = generate_rollout(TinyGPTPolicy(model), task, step=3, **kwargs)
+    again = generate_rollout(TinyGPTPolicy(model), task, step=3, **kwargs)
     assert torch.equal(one.tokens, again.tokens) and one.digest() == again.digest()
-    assert not torch.equal(generate_rollout(model, task, step=4, **kwargs).tokens, one.tokens)
+    assert not torch.equal(generate_rollout(TinyGPTPolicy(model), task, step=4, **kwargs).tokens, one.tokens)
     assert one.lengths.max() == one.tokens.shape[1] - task.prompt_len  # cut to the longest response
     assert (one.group_ids == torch.arange(24) // 4).all()
     assert torch.allclose(one.advantages.reshape(6, 4).mean(1), torch.zeros(6), atol=1e-6)
@@ -116,7 +117,7 @@ def test_rollouts_depend_on_seed_and_step_only_and_two_ranks_slices_rebuild_them
         plan = make_plan(shard, one.lengths, 2, 2)
         rebuilt = torch.empty_like(one.tokens)
         for rank in range(2):
-            rank_rollout = generate_rollout(model, task, step=3, **kwargs)  # what rank `rank` samples
+            rank_rollout = generate_rollout(TinyGPTPolicy(model), task, step=3, **kwargs)  # what rank `rank` samples
             idx = torch.cat(plan[rank])
             rebuilt[idx] = rank_rollout.tokens[idx]
         assert torch.equal(rebuilt, one.tokens), shard
@@ -124,7 +125,7 @@ def test_rollouts_depend_on_seed_and_step_only_and_two_ranks_slices_rebuild_them
 
 def test_minibatch_groups_are_renumbered_from_zero():
     task, model = small_model()
-    rollout = generate_rollout(model, task, num_prompts=4, group_size=2, seed=0, step=1, temperature=1.0)
+    rollout = generate_rollout(TinyGPTPolicy(model), task, num_prompts=4, group_size=2, seed=0, step=1, temperature=1.0)
     second = rollout.groups(2, 2)
     assert second.group_ids.tolist() == [0, 0, 1, 1] and second.num_groups == 2
     assert torch.equal(second.tokens, rollout.tokens[4:])

@@ -2,7 +2,7 @@
 
 One optimizer step of the real trainer path: TinyGPT, a rollout sampled by ``generate_rollout``
 (ragged response lengths), a plan from ``make_plan``, the count all-reduce
-``comm.global_counts``, the wrapper ``wrap.wrap_policy`` and ``update.accumulate_gradients``
+``comm.global_counts``, the wrapper ``policy.wrap_for_training`` and ``update.accumulate_gradients``
 with the trainer's per-token loss (clipped surrogate with clip-higher plus beta * k3 KL; the
 old and reference log-probs are perturbed so that the clip and the KL both matter). W = 1 is the
 plain ``python`` path in this process (no process group, no wrapper); W = 2 is two spawned gloo
@@ -22,6 +22,7 @@ from torch.testing import assert_close
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
 from gradnorm.core.grpo import grpo_token_losses
+from gradnorm.trainer.policy import TinyGPTPolicy, wrap_for_training
 from gradnorm.trainer.rollout import generate_rollout
 from gradnorm.core.sharding import make_plan
 from gradnorm.tasks import RepeatTask
@@ -40,7 +41,7 @@ def make_batch(dtype=torch.float32):
     task = RepeatTask(max_new_tokens=20)
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, n_layer=1, n_head=2, n_embd=32))
-    rollout = generate_rollout(model, task, num_prompts=4, group_size=4, seed=0, step=1, temperature=1.0)
+    rollout = generate_rollout(TinyGPTPolicy(model), task, num_prompts=4, group_size=4, seed=0, step=1, temperature=1.0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         logp = response_logprobs(model, rollout.tokens, rollout.prompt_len)[0].double()
@@ -60,7 +61,7 @@ def per_token_loss(model, rollout, old_logp, ref_logp, idx):
 def trainer_gradients(ctx: comm.DistContext, parallel: str) -> torch.Tensor:
     """(len(CASES), P): this rank's reduced flat gradient of one trainer step per case."""
     model, rollout, old_logp, ref_logp = make_batch()
-    dp_model = wrap.wrap_policy(model, parallel, ctx)
+    dp_model = wrap_for_training(TinyGPTPolicy(model), parallel, ctx)
     grads = []
     for denominator, accum_steps, shard in CASES:
         plan = make_plan(shard, rollout.lengths, ctx.world_size, accum_steps)

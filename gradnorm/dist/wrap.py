@@ -46,20 +46,7 @@ def _fully_shard():
     return fully_shard
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks FSDP shards one by one (each is all-gathered just before its forward).
-
-    Hugging Face models name their block classes in ``_no_split_modules``; TinyGPT keeps its
-    blocks in ``model.blocks``. A model with neither is sharded as one unit.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    if names:
-        return [m for m in model.modules() if type(m).__name__ in names]
-    blocks = getattr(model, "blocks", None)
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
-
-
-def wrap_fsdp(model: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Module:
+def wrap_fsdp(model: nn.Module, blocks: list[nn.Module]) -> nn.Module:
     """Apply FSDP2 to each block, then to the root (embeddings, final norm, head); in place.
 
     Sharding block by block means only one block's full parameters exist at a time in the
@@ -68,7 +55,7 @@ def wrap_fsdp(model: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Mod
     """
     fully_shard = _fully_shard()
     world_size = torch.distributed.get_world_size()
-    for block in transformer_blocks(model) if blocks is None else blocks:
+    for block in blocks:
         fully_shard(block)
     fully_shard(model)
     for module in model.modules():
@@ -78,19 +65,22 @@ def wrap_fsdp(model: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Mod
     return model
 
 
-def wrap_policy(model: nn.Module, parallel: ParallelKind, ctx: DistContext) -> nn.Module:
+def wrap_policy(model: nn.Module, parallel: ParallelKind, ctx: DistContext,
+                blocks: list[nn.Module] = ()) -> nn.Module:
     """The module the training forward goes through: DDP, FSDP2, or the model itself alone.
 
     Without a process group (plain ``python``) there is nothing to reduce, and the model is used
     as is. Under DDP, ``unwrap`` returns the inner module for sampling and checkpoints; FSDP2
     changes the model in place, so generation must go through the sharded module itself.
+    ``blocks`` are the repeated blocks FSDP2 shards one by one (``Policy.blocks``); with none the
+    model is one unit.
     """
     if parallel not in PARALLEL_KINDS:
         raise ValueError(f"--parallel {parallel!r}: expected one of {', '.join(PARALLEL_KINDS)}")
     if ctx.backend is None:
         return model
     if parallel == "fsdp":
-        return wrap_fsdp(model)
+        return wrap_fsdp(model, list(blocks))
     return DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
 
 

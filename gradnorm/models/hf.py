@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradnorm.dist.wrap import unwrap
 from gradnorm.models.sampling import decode
 from gradnorm.models.tinygpt import token_logprobs_and_entropy
 
@@ -49,11 +48,6 @@ def require_transformers():
     except ImportError:
         raise ImportError(_MISSING) from None
     return transformers
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    """Whether ``model`` (possibly inside DDP) is a Hugging Face PreTrainedModel."""
-    return hasattr(unwrap(model), "config") and hasattr(unwrap(model), "get_input_embeddings")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,18 +189,29 @@ def generate(
                   uniforms, reduce)
 
 
-def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward can compute the LM head on the last positions only."""
+    return _accepts(type(model).forward, "logits_to_keep")
+
+
+def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int, *, pad_id: int | None = None,
+                      keep_logits: bool | None = None) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies (fp32) of the response tokens, each (B, L - prompt_len).
 
     ``model`` may be wrapped in DDP (the call goes through its forward, so its hooks fire) or be
-    an FSDP2 module. Only the response's R = L - P predictions go through the LM head
-    (``logits_to_keep``): with a 150k vocabulary the prompt's logits would be most of the memory.
-    log_softmax runs in float32 even under bf16 autocast: exp(logp - old_logp) amplifies rounding.
+    an FSDP2 module; ``pad_id`` and ``keep_logits`` default to the model's config and forward
+    (``HFPolicy`` passes them, read once from the unwrapped model). Only the response's
+    R = L - P predictions go through the LM head (``logits_to_keep``): with a 150k vocabulary the
+    prompt's logits would be most of the memory. log_softmax runs in float32 even under bf16
+    autocast: exp(logp - old_logp) amplifies rounding.
     """
-    pad_id = unwrap(model).config.pad_token_id
+    if pad_id is None or keep_logits is None:
+        inner = getattr(model, "module", model)  # DDP keeps the model it wraps in .module
+        pad_id = inner.config.pad_token_id if pad_id is None else pad_id
+        keep_logits = accepts_logits_to_keep(inner) if keep_logits is None else keep_logits
     attention, positions = padding_positions(tokens, prompt_len, pad_id)  # (B, L)
     R = tokens.shape[1] - prompt_len
-    kwargs = {"logits_to_keep": R} if _accepts(type(unwrap(model)).forward, "logits_to_keep") else {}
+    kwargs = {"logits_to_keep": R} if keep_logits else {}
     logits = model(input_ids=tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
                    use_cache=False, **kwargs).logits  # (B, R or L - 1, V)
     return token_logprobs_and_entropy(logits[:, -R:], tokens[:, prompt_len:])

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from gradnorm.trainer.curves import moving_average, read_metrics
+
 
 @dataclass(frozen=True)
 class TrainingRun:
@@ -43,12 +45,6 @@ class TrainingRun:
         return np.array([row["tokens_per_rank"][rank] / max(row["tokens"], 1) for row in self.metrics])
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl: one dict per optimizer step, in file order."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def load_run(output_dir: str | Path, label: str | None = None, wall_s: float = float("nan")) -> TrainingRun:
     """A finished run from its output directory (config.json and metrics.jsonl)."""
     output_dir = Path(output_dir)
@@ -57,15 +53,6 @@ def load_run(output_dir: str | Path, label: str | None = None, wall_s: float = f
     return TrainingRun(label=label or f"{denominator}, {shard}", loss_denominator=denominator, shard=shard,
                        output_dir=output_dir, metrics=read_metrics(output_dir / "metrics.jsonl"), wall_s=wall_s,
                        config=config)
-
-
-def moving_average(values: np.ndarray, window: int) -> np.ndarray:
-    """Mean of the last ``window`` values at each step (fewer at the start): a trailing average."""
-    values = np.asarray(values, dtype=float)
-    sums = np.cumsum(np.concatenate([[0.0], values]))
-    k = np.arange(1, len(values) + 1)
-    lo = np.maximum(k - window, 0)
-    return (sums[k] - sums[lo]) / (k - lo)
 
 
 def shared_rollout_steps(a: TrainingRun, b: TrainingRun) -> int:

@@ -1,9 +1,10 @@
-"""The learning curve of a training run, drawn from its metrics.jsonl.
+"""The learning curve of a training run, read from its metrics.jsonl and drawn on a given Axes.
 
-``plot_learning_curve(ax, metrics, warmup)`` draws on a matplotlib Axes you pass (notebooks,
-figure scripts); ``write_learning_curve(output_dir)`` is what the trainer calls at the end. It uses
-matplotlib's object API with the Agg canvas, so it never needs a display. The rows are read and
-averaged by ``gradnorm.teach.runs`` (``read_metrics``, ``moving_average``), as the notebooks read them.
+``read_metrics`` reads a run's records, ``moving_average`` smooths them (the notebooks read runs the
+same way, through ``gradnorm.teach.runs``); ``plot_learning_curve(ax, metrics, warmup)`` draws on a
+matplotlib Axes you pass, and ``write_learning_curve(output_dir)`` is what the trainer calls at the
+end. It uses matplotlib's object API with the Agg canvas, so it never needs a display, and it loads
+no distributed code, so a notebook can import it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gradnorm.teach.runs import moving_average, read_metrics
+import numpy as np
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl: one dict per optimizer step, in file order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the last ``window`` values at each step (fewer at the start): a trailing average."""
+    values = np.asarray(values, dtype=float)
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    k = np.arange(1, len(values) + 1)
+    lo = np.maximum(k - window, 0)
+    return (sums[k] - sums[lo]) / (k - lo)
 
 
 def plot_learning_curve(ax, metrics: list[dict[str, Any]], warmup: dict[str, Any] | None = None, window: int = 10):

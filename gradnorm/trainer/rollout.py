@@ -33,11 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from gradnorm.models import hf as hfmodels
 from gradnorm.dist import comm, wrap
 from gradnorm.core.grpo import group_advantages
-from gradnorm.tasks import RepeatTask
-from gradnorm.models.tinygpt import generate
+from gradnorm.tasks import Task
 
 
 def seeded_generator(seed: int, *keys: object, device: torch.device | str = "cpu") -> torch.Generator:
@@ -66,11 +64,6 @@ def group_split(num_groups: int, world_size: int) -> list[range]:
     base, extra = divmod(num_groups, world_size)
     starts = [r * base + min(r, extra) for r in range(world_size + 1)]
     return [range(starts[r], starts[r + 1]) for r in range(world_size)]
-
-
-def sampler_for(model: nn.Module):
-    """TinyGPT's ``generate``, or its Hugging Face twin (same signature) for a transformers model."""
-    return hfmodels.generate if hfmodels.is_hf_model(model) else generate
 
 
 def response_mask(responses: Tensor, eos_id: int) -> Tensor:
@@ -149,8 +142,8 @@ class Rollout:
 
 @torch.no_grad()
 def generate_rollout(
-    model: nn.Module,
-    task: RepeatTask,
+    policy,
+    task: Task,
     *,
     num_prompts: int,
     group_size: int,
@@ -163,16 +156,16 @@ def generate_rollout(
 ) -> Rollout:
     """Sample the global rollout batch of ``step``: a pure function of (seed, step, weights).
 
-    ``world_size`` 1 samples every sequence here (replicated, or a single process); otherwise this
-    rank samples the groups ``group_split(num_prompts, world_size)[rank]``, scores them, and one
+    ``policy`` is a ``gradnorm.trainer.policy.Policy``. ``world_size`` 1 samples every
+    sequence here (replicated, or a single process); otherwise this rank samples the groups ``group_split(num_prompts, world_size)[rank]``, scores them, and one
     all_gather assembles the global batch on every rank (``world_size`` must then be the process
     group's size, and every rank must call this). Advantages are computed per group on the
-    gathered rewards. ``model`` must be the plain module (not the DDP wrapper: sampling is no part
-    of the gradient and must not trigger DDP's hooks) or an FSDP2 module; under FSDP2 every rank
-    keeps decoding until all ranks have finished, because its forward is a collective.
+    gathered rewards. Sampling goes through ``policy.model``, never the DDP wrapper (sampling is no
+    part of the gradient and must not trigger DDP's hooks); under FSDP2 its parameters stay gathered
+    for the whole generation, and every rank keeps decoding until all ranks have finished, because
+    its forward is a collective.
     """
-    was_training = model.training
-    model.eval()
+    model = policy.model
     device = next(model.parameters()).device
     G, P, R = group_size, task.prompt_len, task.max_new_tokens
     eos, pad = task.tokenizer.eos_id, task.tokenizer.pad_id
@@ -185,11 +178,14 @@ def generate_rollout(
     sampled = rows if len(rows) else range(0, 1)
     local_prompts = prompts.repeat_interleave(G, dim=0)[sampled.start : sampled.stop].to(device)  # (S_r, P)
     lockstep = world_size > 1 and wrap.is_fsdp(model)
-    tokens = sampler_for(model)(
-        model, local_prompts, R, eos, pad, temperature=temperature,
-        uniforms=sequence_uniforms(sampled, R, seed, "sample", step),
-        reduce=comm.all_reduce_sum if lockstep else None,
-    )[: len(rows)]  # (S_r, P + R)
+    was_training = model.training
+    model.eval()
+    with wrap.gathered_for_sampling(model) as sampler:
+        tokens = policy.sample(
+            sampler, local_prompts, R, eos, pad, temperature=temperature,
+            uniforms=sequence_uniforms(sampled, R, seed, "sample", step),
+            reduce=comm.all_reduce_sum if lockstep else None,
+        )[: len(rows)]  # (S_r, P + R)
     model.train(was_training)
     local_answers = [answers[i // G] for i in rows]
     rewards = check_rewards(task.reward(tokens[:, P:].cpu(), local_answers), len(rows)).to(device)  # (S_r,)
@@ -214,16 +210,17 @@ def generate_rollout(
 
 
 @torch.no_grad()
-def sampled_reward(model: nn.Module, task: RepeatTask, num_prompts: int, temperature: float, seed: int) -> float:
+def sampled_reward(policy, task: Task, num_prompts: int, temperature: float, seed: int) -> float:
     """Mean reward of one sampled response per prompt on a fixed prompt set (seeded by ``seed``).
 
     Replicated: every rank samples all ``num_prompts`` itself (a small batch, twice per run).
     """
+    model = policy.model
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     prompts, answers = task.sample_prompts(num_prompts, seeded_generator(seed, "eval-prompts"))
-    tokens = sampler_for(model)(
+    tokens = policy.sample(
         model, prompts.to(device), task.max_new_tokens, task.tokenizer.eos_id, task.tokenizer.pad_id,
         temperature=temperature, uniforms=sequence_uniforms(range(num_prompts), task.max_new_tokens, seed, "eval-sample"),
     )

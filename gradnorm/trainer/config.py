@@ -1,32 +1,118 @@
-"""The trainer's configuration: one dataclass, a docstring under every field, the CLI generated from it.
+"""The trainer's configuration: the flags, their rules, and the CLI generated from them.
+
+The rules
+---------
+
+The rules of the trainer's flags: what each numeric flag may hold, and what a --resume may change.
+
+``BOUNDS`` has one range per numeric field of ``gradnorm.trainer.config.TrainConfig`` (``validate``
+checks it and ``--help`` prints it); ``CHANGEABLE_ON_RESUME`` lists the flags that do not change a
+run's mathematics, which ``gradnorm.trainer.run.compare_resumed`` lets a ``--resume`` change.
+
+The dataclass and its CLI
+-------------------------
+
+The trainer's configuration: one dataclass, a docstring under every field, the CLI generated from it.
 
 ``python gradnorm/train.py --help`` prints each field's docstring, so this file is the reference
 for every flag (``--grad-accum-steps`` is the field ``grad_accum_steps``). ``validate`` turns a bad
 value into a one-line ``ValueError`` before any model is built: every numeric field has one rule
 in ``flagrules.BOUNDS`` (finite, in a documented range that ``--help`` prints), and ``flagrules.CHANGEABLE_ON_RESUME``
 lists the flags a ``--resume`` may change; every other flag defines the run and must match the
-``config.json`` of the run it continues (``gradnorm.trainer.rundir.compare_resumed``).
+``config.json`` of the run it continues (``gradnorm.trainer.run.compare_resumed``).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 import argparse
 import ast
 import dataclasses
 import inspect
 import sys
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
-
 import torch
-
 from gradnorm.core.denominators import Denominator, parse_denominator
 from gradnorm.dist.wrap import ParallelKind
-from gradnorm.trainer.flagrules import BOUNDS, CONSTANT_DENOMINATOR
 from gradnorm.core.sharding import ShardKind, check_divisible
 
+
+# ------------------------------------------------------------------ flagrules: The rules of the trainer's flags: what each numeric flag may hold, and what a --resume may change.
+
+@dataclass(frozen=True)
+class Range:
+    """The finite values in [lo, hi], or in (lo, hi] when ``open_low``."""
+
+    lo: float
+    hi: float
+    open_low: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.lo if self.open_low else value >= self.lo
+        return math.isfinite(value) and above and value <= self.hi
+
+    def __str__(self) -> str:
+        lo, hi = (f"{x:g}" if isinstance(x, float) else str(x) for x in (self.lo, self.hi))
+        return f"{'(' if self.open_low else '['}{lo}, {hi}]"
+
+
+# One rule per numeric field. A limit is where a value stops being a setting and becomes a
+# mistake: beyond it the run overflows (an lr of 1e30, a temperature of 1e-40 or a beta of 1e30
+# turn the loss into inf or NaN), a seed no longer fits the 64-bit generators, or a count is absurd.
+BOUNDS: dict[str, Range] = {
+    "grad_accum_steps": Range(1, 4096),
+    "steps": Range(1, 10**9),
+    "prompts_per_step": Range(1, 10**7),
+    "group_size": Range(2, 4096),
+    "minibatches_per_rollout": Range(1, 4096),
+    "epochs": Range(1, 1000),
+    "beta": Range(0.0, 100.0),
+    "clip_low": Range(0.0, 1.0),  # 1 - clip-low is the lowest ratio kept, so at most 1
+    "clip_high": Range(0.0, 100.0),
+    "temperature": Range(1e-3, 100.0),  # logits / T must stay finite in fp32
+    "max_new_tokens": Range(1, 2**20),
+    "lr": Range(0.0, 1.0, open_low=True),
+    "weight_decay": Range(0.0, 1.0),  # AdamW scales the weights by 1 - lr * weight-decay each step
+    "max_grad_norm": Range(0.0, 1e6, open_low=True),
+    "max_skipped_steps": Range(1, 10**6),
+    "warmup_steps": Range(0, 10**7),
+    "warmup_batch": Range(1, 10**6),
+    "warmup_lr": Range(0.0, 1.0, open_low=True),
+    "eval_prompts": Range(1, 10**6),
+    "n_layer": Range(1, 1024),
+    "n_head": Range(1, 1024),
+    "n_embd": Range(1, 2**16),
+    "seed": Range(0, 2**63 - 1),
+    "save_every": Range(0, 10**9),
+    "log_every": Range(1, 10**9),
+    "cpu_threads": Range(1, 1024),
+    "timeout_s": Range(10.0, 7 * 24 * 3600.0),
+}
+CONSTANT_DENOMINATOR = Range(1.0, 1e15)
+"""The range of a numeric --loss-denominator C, which divides every token's loss."""
+
+CHANGEABLE_ON_RESUME = ("steps", "save_every", "log_every", "plot", "timeout_s", "cpu_threads", "backend", "device",
+                        "max_skipped_steps", "gradient_checkpointing", "output_dir", "grad_accum_steps", "shard",
+                        "resume", "overwrite", "parallel", "rollouts", "export_hf")
+"""Flags a --resume may change (their docstrings say "Changeable on --resume"); every other flag
+defines the run. A change is applied for real and recorded in config.json's history."""
+
+
+def changeable_on_resume(name: str, loss_denominator: str) -> bool:
+    """Whether --resume may change the flag ``name`` of a run trained with this denominator.
+
+    A and the sharding leave the update of every invariant denominator unchanged (that is the
+    point of gradnorm), so a resumed run may pick them to fit its memory; under local they change it.
+    """
+    if name in ("grad_accum_steps", "shard"):
+        return loss_denominator != "local"
+    return name in CHANGEABLE_ON_RESUME
+
+
+# ------------------------------------------------------------------ trainconfig: The trainer's configuration: one dataclass, a docstring under every field, the CLI generated from it.
 
 @dataclass
 class TrainConfig:
@@ -210,7 +296,7 @@ class TrainConfig:
         """Raise a one-line ValueError for the first bad value; ``world_size`` is W.
 
         Pure: flags against their ranges and each other. Files, directories, the environment and
-        memory are checked by ``gradnorm.trainer.preflight``.
+        memory are checked by ``gradnorm.trainer.guards``.
         """
         denominator = self.denominator  # raises on an unknown denominator
         if isinstance(denominator, float) and denominator not in CONSTANT_DENOMINATOR:
@@ -227,7 +313,7 @@ class TrainConfig:
                 value = getattr(self, name)
                 what = "a finite number" if isinstance(value, float) else "an integer"
                 raise ValueError(f"--{_flag(name)} must be {what} in {allowed}, got {value}")
-        for name in ("output_dir", "model"):
+        for name in ("output_dir", "model", "export_hf"):  # Path("") is ".": an unset variable
             if not getattr(self, name).strip():
                 raise ValueError(f"--{_flag(name)} is empty; give a path")
         if self.n_embd % self.n_head:
@@ -276,14 +362,14 @@ def field_docs(cls: type = TrainConfig) -> dict[str, str]:
     return docs
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints usage too; a bad flag deserves one line
         self.exit(2, f"error: {message} (see --help)\n")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one --flag per field, its help the field's docstring and range."""
-    parser = _OneLineParser(prog=prog, description=TrainConfig.__doc__,
+    parser = OneLineParser(prog=prog, description=TrainConfig.__doc__,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints, docs, choices = get_type_hints(TrainConfig), field_docs(), _choices()
     for f in dataclasses.fields(TrainConfig):

@@ -1,0 +1,170 @@
+"""One GRPO optimizer step on this rank: shard, count, accumulate, clip, step, and what it logs.
+
+Steps 2 to 4 of ``gradnorm/train.py``'s docstring, in the order they run:
+
+    plan    = make_plan(--shard, lengths, W, A)           which rank and microbatch holds which row
+    counts  = comm.global_counts(plan[rank], ...)         THE all-reduce of counts (the fix)
+    sums    = accumulate_gradients(..., counts, ...)      every microbatch's weighted backward
+    norm    = clip the global gradient norm
+    stats   = reduce_stats(sums)                          ONE all-reduce: statistics and stop votes
+    apply_or_skip(opt, norm, stats)                       AdamW, or a skip when anything is non-finite
+
+``Minibatch`` is what one step trains on (a slice of a rollout batch, with the sampling policy's
+and the reference's log-probs when they exist); ``StepStats`` the step's global statistics, the
+same on every rank; ``record`` turns them into one line of metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from gradnorm.core.accumulate import accumulate_gradients
+from gradnorm.core.grpo import NUM_STATS, TokenLosses, finalize_stats, grpo_token_losses
+from gradnorm.core.sharding import Plan, make_plan, tokens_per_rank
+from gradnorm.dist import comm, wrap
+from gradnorm.trainer import guards
+from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.policy import Policy, score_by_length
+from gradnorm.trainer.rollout import Rollout
+
+
+@dataclass
+class Minibatch:
+    """The sequences of one optimizer step, on every rank (S = prompts-per-step * group-size rows)."""
+
+    rollout: Rollout
+    """Their tokens, response mask, rewards, advantages and prompt groups."""
+    old_logp: Tensor | None
+    """(S, R) log-probs of the sampling policy; None when fully on-policy (then logp.detach())."""
+    ref_logp: Tensor | None
+    """(S, R) log-probs of the reference policy; None when --beta is 0."""
+    rollout_digest: str
+    """A hash of the whole rollout batch it was cut from (``Rollout.digest``)."""
+
+
+@dataclass
+class StepStats:
+    """The global statistics of one step (token means over the minibatch), the same on every rank."""
+
+    loss: float
+    """J, the objective the step minimized."""
+    tokens: int
+    """N, response tokens of the minibatch over all ranks."""
+    pg_loss: float
+    clipfrac: float
+    entropy: float
+    kl: float | None
+    """None when --beta is 0."""
+    stop: signal.Signals | None
+    """The stop every rank agreed on (SIGTERM or SIGINT to any rank, ``guards.agreed``), or None."""
+
+    def logged(self) -> dict[str, float]:
+        """The fields metrics.jsonl holds (kl only when there is one)."""
+        values = dict(loss=self.loss, tokens=self.tokens, pg_loss=self.pg_loss, kl=self.kl,
+                      clipfrac=self.clipfrac, entropy=self.entropy)
+        return {k: v for k, v in values.items() if v is not None}
+
+    def finite(self) -> bool:
+        return all(math.isfinite(v) for v in self.logged().values())
+
+
+def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, cfg: TrainConfig,
+                 autocast: Callable[[], contextlib.AbstractContextManager]) -> Callable[[Tensor], TokenLosses]:
+    """The forward pass of one microbatch ``idx`` (rows of the minibatch), through DDP or FSDP2."""
+    mb, P = batch.rollout, batch.rollout.prompt_len
+
+    def forward(idx: Tensor) -> TokenLosses:
+        with autocast():
+            logp, entropy = score_by_length(policy.score, module, mb.tokens[idx], P, mb.lengths[idx])  # fp32
+        return grpo_token_losses(
+            logp, logp.detach() if batch.old_logp is None else batch.old_logp[idx], mb.advantages[idx],
+            ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator, entropy=entropy.detach(),
+        )
+
+    return forward
+
+
+def score(policy: Policy, module: nn.Module, rollout: Rollout) -> Tensor:
+    """(S, R) log-probs of a whole rollout batch under ``module`` (the sampling policy, the reference)."""
+    return score_by_length(policy.score, module, rollout.tokens, rollout.prompt_len, rollout.lengths)[0]
+
+
+def plan_for(batch: Minibatch, cfg: TrainConfig, world_size: int) -> Plan:
+    """Step 2: every rank's microbatches of the minibatch (the same plan on every rank)."""
+    return make_plan(cfg.shard, batch.rollout.lengths.cpu(), world_size, cfg.grad_accum_steps)
+
+
+def counts_for(batch: Minibatch, plan: Plan, cfg: TrainConfig, rank: int):
+    """Step 3a: THE all-reduce of this rank's token counts (none for local and a constant)."""
+    mb = batch.rollout
+    return comm.global_counts(plan[rank], mb.lengths, mb.group_ids, mb.num_groups, cfg.denominator)
+
+
+def backward(policy: Policy, module: nn.Module, batch: Minibatch, plan: Plan, counts, cfg: TrainConfig,
+             ctx: comm.DistContext, autocast) -> Tensor:
+    """Step 3b: every microbatch's weighted backward; this rank's statistic sums (NUM_STATS,) float64."""
+    mb = batch.rollout
+    return accumulate_gradients(module, plan[ctx.rank], mb.mask, mb.group_ids, counts, cfg.denominator,
+                                token_losses(policy, module, batch, cfg, autocast), ctx.world_size)
+
+
+def clip(policy: Policy, max_norm: float) -> Tensor:
+    """Step 4a: clip the global gradient norm (over FSDP2 shards too); the norm before clipping."""
+    return wrap.clip_grad_norm(policy.model, max_norm)
+
+
+def reduce_stats(local_sums: Tensor, with_kl: bool) -> StepStats:
+    """Step 4b: ONE all-reduce of [this rank's statistic sums | its stop votes], split by name.
+
+    The logging collective, the same in every mode (not the normalization's count all-reduce).
+    The stop votes ride it so that the ranks agree on a stop at no extra collective.
+    """
+    reduced = comm.all_reduce_sum(torch.cat([local_sums, guards.votes(local_sums)])).cpu()
+    sums, votes = reduced[:NUM_STATS], reduced[NUM_STATS:]
+    values = finalize_stats(sums, with_kl=with_kl)
+    return StepStats(loss=values["loss"], tokens=values["tokens"], pg_loss=values["pg_loss"],
+                     clipfrac=values["clipfrac"], entropy=values["entropy"], kl=values.get("kl"),
+                     stop=guards.agreed(votes))
+
+
+def apply_or_skip(opt: torch.optim.Optimizer, grad_norm: Tensor, stats: StepStats, skips, step: int,
+                  max_skipped_steps: int) -> None:
+    """Step 4c: step the optimizer, or skip the update when the loss or the gradient is not finite.
+
+    grad_norm (after DDP's all-reduce) and the stats (all-reduced) are the same on every rank, so
+    every rank takes the same decision without another collective. NaN never reaches the weights.
+    ``skips`` has ``skipped`` and ``in_a_row`` (the run's counters, checkpointed).
+    """
+    if bool(torch.isfinite(grad_norm)) and stats.finite():
+        opt.step()
+        skips.in_a_row = 0
+        return
+    opt.zero_grad(set_to_none=True)
+    skips.skipped, skips.in_a_row = skips.skipped + 1, skips.in_a_row + 1
+    comm.print0(f"warning: step {step}: non-finite loss or gradient (loss {stats.loss}, grad_norm "
+                f"{float(grad_norm)}); skipped the update ({skips.in_a_row} in a row, "
+                f"--max-skipped-steps {max_skipped_steps})", file=sys.stderr)
+
+
+def record(step: int, stats: StepStats, grad_norm: Tensor, batch: Minibatch, plan: Plan, skipped: int) -> dict:
+    """One line of metrics.jsonl, before its timings: global statistics of the step (non-finite as null)."""
+    mb = batch.rollout
+    lengths = mb.lengths.cpu()
+    values = {
+        "step": step, "loss": stats.loss, "grad_norm": float(grad_norm),
+        "reward_mean": float(mb.rewards.mean()), "exact_match": float((mb.rewards == 1.0).float().mean()),
+        "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
+        "tokens": stats.tokens, "tokens_per_rank": tokens_per_rank(plan, lengths),
+        **{k: v for k, v in stats.logged().items() if k in ("pg_loss", "kl", "clipfrac", "entropy")},
+        "rollout_digest": batch.rollout_digest, "skipped_steps": skipped,
+    }
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
