@@ -1,7 +1,9 @@
 """The command ``python -m gradnorm.audit LOSS``: flags in, a table and a verdict out.
 
-Exit status: 0 invariant (and no weight outside the mask), 1 skewed or leaking, 2 one
-``error: ...`` line on stderr (an unimportable loss, a broken contract, bad flags), no traceback.
+Exit status: 0 invariant (and no weight outside the mask), 1 skewed, leaking or of the wrong
+sign (a negative weight on a response token: the loss rises where the advantage is positive), 2
+one ``error: ...`` line on stderr (an unimportable loss, a broken contract, bad flags, a run with
+nothing to compare), no traceback.
 ``main(argv)`` is importable, so a notebook or a test can run the command in-process.
 """
 
@@ -9,25 +11,126 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import torch
 
-from gradnorm.audit import COUNTS, MODES, ContractError, Convention, Report, audit, load_loss
+from gradnorm.audit.probe import COUNTS, MODES, ContractError, Convention, Near, Report, audit, imported_loss
 from gradnorm.core.sharding import SHARD_KINDS
 
 
+SHARDINGS = {
+    "interleave": "sequence i goes to rank i mod W, and each rank cuts its sequences in order into A "
+                  "microbatches: every prompt group is spread over the ranks; S/(W*A) sequences per microbatch.",
+    "contiguous": "consecutive runs of the minibatch, S/(W*A) sequences per microbatch: whole prompt groups "
+                  "stay together.",
+    "length": "sorted by response length, then cut like contiguous: rank 0's first microbatch holds the "
+              "shortest responses; the largest token imbalance with S/(W*A) sequences per microbatch.",
+    "balanced": "packs by tokens, greedily: the longest response first, each into the microbatch with the fewest "
+                "tokens so far; rank r takes microbatches r*A to r*A+A-1, so rank 0 takes the A longest "
+                "responses and the ranks do not hold equal tokens (nor do microbatches when one response is "
+                "longer than their mean); on ragged lengths the microbatches hold different numbers of "
+                "sequences, as token-budget microbatches do.",
+}
+"""What each ``--sharding`` does (``gradnorm.core.sharding``), for ``--help``: the kinds keep the trainer's names."""
+
+WRONG_SIGN = "your loss rises where the advantage is positive: you return the objective, or swapped logp and old_logp"
+
+
+def _symbol(letter: str, power: int) -> str:
+    return letter if abs(power) == 1 else f"{letter}^{abs(power)}"
+
+
+def _law(p: int, q: int) -> str:
+    """W^p * A^q written out: W, 1/A, W*A, 1/(W*A), W/A^2, 1."""
+    up = "*".join(_symbol(x, e) for x, e in (("W", p), ("A", q)) if e > 0)
+    down = "*".join(_symbol(x, e) for x, e in (("W", p), ("A", q)) if e < 0)
+    if not down:
+        return up or "1"
+    return f"{up or 1}/{f'({down})' if '*' in down else down}"
+
+
+def factor_name(near: Near, tol: float) -> str:
+    """k * W^p * A^q in words: ``1/W``, ``1/W or 1/A`` (W = A), ``-1``, ``3``, ``0.5 x W``."""
+    if not near.powers:
+        return f"that changes with W and A in no simple way (from {min(near.factors):.4g} to {max(near.factors):.4g})"
+    laws = [_law(p, q) for p, q in near.powers]
+    if abs(near.scale - 1) <= tol:
+        return " or ".join(laws)
+    if abs(near.scale + 1) <= tol:
+        return " or ".join("-1" if law == "1" else f"-{law}" for law in laws)
+    return " or ".join(f"{near.scale:.4g}" if law == "1" else f"{near.scale:.4g} x {law}" for law in laws)
+
+
+def _why(p: int, q: int, convention: Convention) -> list[str]:
+    """What a factor W^p * A^q says about the loss (and the loop the audit assumed)."""
+    says = []
+    if p < 0:
+        says.append(("is missing the world-size factor W" if p == -1 else f"is missing a factor W^{-p}")
+                    + " (DDP's mean over ranks divides every weight by W)")
+    if p > 0:
+        says.append(("has a factor W too many" if p == 1 else f"has a factor W^{p} too many")
+                    + (" (are gradients summed over ranks? then audit with --reduction sum)"
+                       if convention.reduction == "mean" else ""))
+    if q < 0:
+        says.append(("divides by A once too often" if q == -1 else "divides by A twice too often")
+                    + (" (counting the loop's division by A)" if convention.scale_by_accum else ""))
+    if q > 0:
+        says.append(("is missing a division by A" if q == 1 else "is missing two divisions by A")
+                    + ("" if convention.scale_by_accum else " (if your loop divides by A, audit with --scale-by-accum)"))
+    return says
+
+
+def explain_factor(near: Near, convention: Convention, tol: float) -> str:
+    """``up to a factor 1/W: your loss is missing the world-size factor W (...)``: the factor, then why."""
+    readings = [" and ".join(_why(p, q, convention)) for p, q in near.powers]  # one per law that fits
+    if near.powers and abs(abs(near.scale) - 1) > tol:  # a constant k besides W^p * A^q
+        extra = f"weighs every token {abs(near.scale):.4g} times what `{near.mode}` gives"
+        readings = [f"{r} and {extra}" if r else extra for r in readings]
+    readings = [r for r in readings if r]  # k = -1 alone: the wrong sign, which the verdict says first
+    text = f"up to a factor {factor_name(near, tol)}"
+    if readings:
+        text += ": your loss " + " or ".join(readings)
+    if len(near.powers) > 1:
+        text += " (audit with W != A to tell which)"
+    return text
+
+
+def _equal_counts_clause(report: Report) -> str:
+    """Invariant on fixed-size microbatches, skewed only where sequence counts differ: say so, and how to narrow."""
+    even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts))
+    uneven = [r for r in report.results[1:] if not r.equal_counts]
+    mode = report.equals_at_equal_counts
+    like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
+    where = f", where it equals {like}" if mode else ""
+    return (f"invariant whenever every microbatch holds the same number of sequences{where}; skewed by up to "
+            f"{max(r.change for r in uneven):.1%} when they do not (token-budget microbatches: "
+            f"{' '.join(dict.fromkeys(r.label for r in uneven))}); if your trainer's microbatches hold a fixed "
+            f"number of sequences, audit with --sharding {' '.join(even)}")
+
+
 def verdict(report: Report) -> str:
-    """One sentence: invariant or skewed, leaking or not, and the mode it equals."""
-    how = "SKEWED" if not report.invariant else "LEAKS" if report.leaks else "INVARIANT"
-    parts = [f"{how}: a token's weight changes by up to {report.change:.1%} across configurations"]
+    """One line: wrong sign, skewed, leaking or invariant, and the mode it equals (or nearly equals)."""
+    change = f"a token's weight changes by up to {report.change:.1%} across configurations"
+    if report.wrong_sign:
+        parts = [f"WRONG SIGN: {WRONG_SIGN} ({report.negative:.1%} of the weight inside the mask is negative)",
+                 change]
+    else:
+        parts = [f"{'SKEWED' if not report.invariant else 'LEAKS' if report.leaks else 'INVARIANT'}: {change}"]
+    if report.skewed_only_by_unequal_counts:
+        parts.append(_equal_counts_clause(report))
     if report.leaks:
         parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask")
     if report.equals == "constant":
         parts.append(f"equals a constant denominator C = {report.constant:.6g}")
     elif report.equals:
         parts.append(f"equals gradnorm's `{report.equals}`")
-    else:
+    elif report.near:
+        mode = report.near.mode
+        like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
+        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol)}")
+    elif not report.skewed_only_by_unequal_counts:  # there the clause above already names the mode
         parts.append("equals no gradnorm mode")
     return "; ".join(parts)
 
@@ -58,11 +161,11 @@ def format_report(report: Report) -> str:
 
 def verdict_table(reports: Sequence[Report]) -> str:
     """One row per audited loss: invariant?, the largest change, leak, the mode it equals."""
-    rows = [f"{'loss':<36} {'verdict':<9} {'max change':>10} {'leak':>6}  equals"]
+    rows = [f"{'loss':<36} {'verdict':<10} {'max change':>10} {'leak':>6}  equals"]
     for r in reports:
         equals = f"constant C = {r.constant:.6g}" if r.equals == "constant" else (r.equals or "-")
-        how = "SKEWED" if not r.invariant else "LEAKS" if r.leaks else "invariant"
-        rows.append(f"{r.name:<36} {how:<9} {r.change:>10.1%} "
+        how = "WRONG SIGN" if r.wrong_sign else "SKEWED" if not r.invariant else "LEAKS" if r.leaks else "invariant"
+        rows.append(f"{r.name:<36} {how:<10} {r.change:>10.1%} "
                     f"{r.leak:>6.1%}  {equals}")
     return "\n".join(rows)
 
@@ -95,19 +198,27 @@ def _tolerance(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
+    contract = ("LOSS(logp, old_logp, advantages, mask, **counts) returns the scalar you backpropagate; it gets, by "
+                f"keyword name, any of: {', '.join(COUNTS)}.")
+    shardings = "\n".join(textwrap.fill(f"{kind}: {SHARDINGS[kind]}", 100, initial_indent="  ",
+                                       subsequent_indent="    ") for kind in SHARD_KINDS)
+    status = ("Exit status: 0 invariant; 1 skewed, leaking onto tokens outside the mask, or of the wrong sign (the "
+              "loss rises where the advantage is positive); 2 an error (one line), also for a run with nothing to "
+              "compare (W = A = 1 only).")
     p = _Parser(
         prog="python -m gradnorm.audit",
-        description="Measure the weight a GRPO microbatch loss gives every token under simulated data "
-                    "parallelism and gradient accumulation, and say whether it is invariant to W, A and sharding.",
-        epilog="LOSS(logp, old_logp, advantages, mask, **counts) returns the scalar you backpropagate; it gets, by "
-               f"keyword name, any of: {', '.join(COUNTS)}. Exit status: 0 invariant, 1 skewed or leaking onto "
-               "tokens outside the mask, 2 an error (one line).",
+        description=textwrap.fill("Measure the weight a GRPO microbatch loss gives every token under simulated "
+                                  "data parallelism and gradient accumulation, and say whether it is invariant "
+                                  "to W, A and sharding, and if not, why.", 100),
+        epilog=f"{textwrap.fill(contract, 100)}\n\nshardings (S sequences, W ranks, A microbatches a rank):\n"
+               f"{shardings}\n\n{textwrap.fill(status, 100)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's list of shardings
     )
     p.add_argument("loss", help="package.module:function or path/to/file.py:function")
     p.add_argument("--world-size", type=_at_least(1), nargs="+", default=[8], help="W, one or more (default 8)")
     p.add_argument("--accum-steps", type=_at_least(1), nargs="+", default=[4], help="A, one or more (default 4)")
     p.add_argument("--sharding", choices=SHARD_KINDS, nargs="+", default=list(SHARD_KINDS),
-                   help="how sequences are assigned to ranks and microbatches (default: all)")
+                   help="how sequences are assigned to ranks and microbatches, each described below (default: all)")
     p.add_argument("--scale-by-accum", action="store_true",
                    help="the trainer divides each microbatch's loss by A before backward (default: no)")
     p.add_argument("--reduction", choices=("mean", "sum"), default="mean",
@@ -120,13 +231,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command: print the table and the verdict; exit 0 invariant, 1 skewed, 2 error."""
+    """The command: print the table and the verdict; exit 0 invariant, 1 skewed, leaking or wrong-signed, 2 error."""
     try:
         args = _parser().parse_args(argv)
-        loss_fn = load_loss(args.loss)
-        report = audit(loss_fn, args.world_size, args.accum_steps, args.sharding,
-                       Convention(args.scale_by_accum, args.reduction), args.group_size, args.max_new_tokens,
-                       args.seed, name=args.loss, tol=args.tol)
+        with imported_loss(args.loss) as loss_fn:  # a file's neighbours stay importable until the audit ends
+            report = audit(loss_fn, args.world_size, args.accum_steps, args.sharding,
+                           Convention(args.scale_by_accum, args.reduction), args.group_size, args.max_new_tokens,
+                           args.seed, name=args.loss, tol=args.tol)
     except ContractError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

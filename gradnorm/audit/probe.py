@@ -15,6 +15,16 @@ so the reduced gradient g of one optimizer step gives each token's weight in J e
 Running with both signs of the advantages cancels any gradient that does not scale with them (a
 k1 KL, an entropy bonus); its size is reported as ``residual``. No line of the loss is read.
 
+Diagnosis. Against the reference (one process, one microbatch) and gradnorm's modes, a Report
+also says why a loss fails:
+
+    wrong sign      some w[i, t] < 0 with M[i, t] = 1: the loss rises where A_i > 0
+    up to a factor  w = c * w_mode under every configuration, c = k * W^p * A^q (``Near``)
+    unequal counts  invariant on every plan whose microbatches hold equal numbers of sequences,
+                    skewed on a plan whose microbatches do not (``balanced`` packs by tokens)
+
+and it refuses (``ContractError``) a run whose only configuration is the reference.
+
 The contract of ``loss_fn(logp, old_logp, advantages, mask, **asked)`` -> a scalar tensor, the
 loss of one microbatch of n sequences: ``logp`` (n, T) float64, the leaf; ``old_logp`` (n, T);
 ``advantages`` (n,); ``mask`` (n, T) bool, the response tokens. Only the keywords it names in
@@ -26,12 +36,14 @@ This module is pure (no torch.distributed, no processes): ``audit`` returns a ``
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,8 +108,40 @@ def _one_line(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
 
 
+_loaded_files = itertools.count()  # makes every loaded file's module name unique
+
+
+def _import_file(path: Path):
+    """Execute ``path`` as a module registered in sys.modules, with its folder on sys.path.
+
+    Registered before it runs, under a name no other module has, because ``@dataclass`` (and
+    ``typing.get_type_hints``) looks the class's module up in sys.modules while the file executes:
+    under ``from __future__ import annotations`` an unregistered module fails there. The folder
+    goes first on sys.path, as ``python path/to/file.py`` puts it, so ``import neighbour`` finds the
+    file beside it from any working directory. Both stay after loading: the loss may import lazily,
+    on its first call. ``imported_loss`` removes them when the audit is done.
+    """
+    name = f"_gradnorm_audit_{next(_loaded_files)}_{''.join(c if c.isalnum() else '_' for c in path.stem)}"
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
 def load_loss(spec: str) -> Callable:
-    """``package.module:function`` or ``path/to/file.py:function`` -> the function."""
+    """``package.module:function`` or ``path/to/file.py:function`` -> the function.
+
+    A file's module stays registered and its folder on sys.path (see ``_import_file``); use
+    ``imported_loss`` to have both removed afterwards.
+    """
     where, sep, name = spec.rpartition(":")
     if not (sep and where and name):
         raise ContractError(f"expected package.module:function or file.py:function, got {spec!r}")
@@ -105,9 +149,7 @@ def load_loss(spec: str) -> Callable:
         if where.endswith(".py") or "/" in where:
             if not Path(where).is_file():
                 raise ContractError(f"no such file: {where}")
-            module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            module = _import_file(Path(where).resolve())
         else:
             module = importlib.import_module(where)
     except ContractError:
@@ -118,6 +160,26 @@ def load_loss(spec: str) -> Callable:
     if not callable(fn):
         raise ContractError(f"{where} has no function {name!r}")
     return fn
+
+
+@contextlib.contextmanager
+def imported_loss(spec: str) -> Iterator[Callable]:
+    """``load_loss`` for the length of a with-block, then sys.path and sys.modules as they were.
+
+    Only what loading added goes: the folders it put on sys.path, and the modules imported from
+    those folders (the loss file itself, the neighbours it imported, lazily or not). Modules that
+    the loss imported from elsewhere (torch's lazily loaded parts) stay, as they would anyway.
+    """
+    path_before, modules_before = list(sys.path), set(sys.modules)
+    try:
+        yield load_loss(spec)
+    finally:
+        added = [folder for folder in sys.path if folder not in path_before]
+        for name in set(sys.modules) - modules_before:
+            origin = getattr(sys.modules.get(name), "__file__", None) or ""
+            if any(Path(origin).is_relative_to(folder) for folder in added):
+                sys.modules.pop(name, None)
+        sys.path[:] = [folder for folder in sys.path if folder not in added]
 
 
 @dataclass(frozen=True)
@@ -190,6 +252,8 @@ class Result:
     change: float = 0.0  # the largest relative change of a token's weight against the reference
     update_share: Tensor = field(default=None)  # (W,) each rank's share of sum w
     token_share: Tensor = field(default=None)  # (W,) each rank's share of the response tokens
+    distance: dict[str, float] = field(default_factory=dict)  # mode -> max |w - w_mode| / max |w_mode|
+    factor: dict[str, float] = field(default_factory=dict)  # mode -> c, when w = c * w_mode to tol (else absent)
 
     @property
     def world_size(self) -> int:
@@ -198,6 +262,11 @@ class Result:
     @property
     def accum_steps(self) -> int:
         return len(self.plan[0])
+
+    @property
+    def equal_counts(self) -> bool:
+        """Every microbatch holds the same number of sequences (fixed-size microbatches)."""
+        return len({len(mb) for rank in self.plan for mb in rank}) == 1
 
 
 def measure(loss_fn, batch: Minibatch, plan: Plan, convention: Convention = Convention(), label: str = "") -> Result:
@@ -214,6 +283,22 @@ def measure(loss_fn, batch: Minibatch, plan: Plan, convention: Convention = Conv
     return Result(label, plan, weights, (plus + minus) / 2, update_share=update, token_share=tokens)
 
 
+@dataclass(frozen=True)
+class Near:
+    """The mode a loss equals up to one uniform factor per configuration: w = k * W^p * A^q * w_mode.
+
+    Under each configuration every token's weight is the same multiple c of the mode's weight; c
+    changes with (W, A) as W^p * A^q, k being c under the reference. ``powers`` holds every (p, q)
+    with |p|, |q| <= 2 and the fewest |p| + |q| that fits each c to tol (two when W = A hides which),
+    and is empty when none does.
+    """
+
+    mode: str
+    scale: float  # k
+    powers: tuple[tuple[int, int], ...]  # (p, q)
+    factors: tuple[float, ...]  # c of each configuration, in the order of Report.results
+
+
 @dataclass
 class Report:
     """The audit of one loss: its weights under every configuration, and the verdict."""
@@ -228,6 +313,8 @@ class Report:
     leak: float  # the largest share of |w| on tokens outside the mask
     residual: float  # max |gradient not scaling with A| / max |A * w|, the surrogate's gradient
     tol: float
+    negative: float = 0.0  # the largest share of the weight inside the mask that is negative
+    near: Near | None = None  # when no mode matches: the one it equals up to a factor, if any
 
     @property
     def matches(self) -> list[str]:
@@ -249,15 +336,91 @@ class Report:
         return self.leak > self.tol
 
     @property
+    def wrong_sign(self) -> bool:
+        """Some response token has a negative weight: the loss rises where the advantage is positive."""
+        return self.negative > self.tol
+
+    def _changes(self, equal: bool) -> list[float]:
+        # results[0], the reference, is one microbatch: equal counts trivially, and no change by definition.
+        return [r.change for r in self.results[1:] if r.equal_counts == equal]
+
+    @property
+    def skewed_only_by_unequal_counts(self) -> bool:
+        """Invariant on every plan with equal-count microbatches (at least one), skewed on another."""
+        even, uneven = self._changes(True), self._changes(False)
+        return bool(even) and max(even) <= self.tol and bool(uneven) and max(uneven) > self.tol
+
+    @property
+    def equals_at_equal_counts(self) -> str | None:
+        """The first mode matched on the reference and every plan with equal-count microbatches."""
+        even = [r for r in self.results if r.equal_counts]
+        return next((m for m in MODES if max(r.distance[m] for r in even) <= self.tol), None)
+
+    @property
     def exit_code(self) -> int:
-        """The command's status: 0 invariant and masked, 1 skewed or leaking."""
-        return 0 if self.invariant and not self.leaks else 1
+        """The command's status: 0 invariant, masked and signed right; 1 skewed, leaking or wrong-signed."""
+        return 0 if self.invariant and not self.leaks and not self.wrong_sign else 1
+
+
+def _mode_weights(mode: str, batch: Minibatch, plan: Plan, constant: float) -> Tensor:
+    """(S, T) the weights gradnorm's ``mode`` gives under ``plan``; ``constant`` uses the fitted C."""
+    den = constant if mode == "constant" else mode
+    return effective_weights(batch.mask, batch.group_ids, batch.num_groups, den, plan)
+
+
+def _fit(weights: Tensor, expected: Tensor, tol: float) -> float | None:
+    """c when w = c * w_mode to tol (least squares: c = <w, e> / <e, e>), else None."""
+    norm = float((expected * expected).sum())
+    c = float((weights * expected).sum()) / norm if norm > 0 else 0.0
+    if c == 0 or (weights - c * expected).abs().max() > tol * abs(c) * expected.abs().max():
+        return None
+    return c
+
+
+def _powers(factors: Sequence[float], results: Sequence[Result], tol: float) -> tuple[tuple[int, int], ...]:
+    """Every (p, q) of the fewest |p| + |q| with c = k * W^p * A^q for one k over all configurations."""
+    fits = []
+    for p in range(-2, 3):
+        for q in range(-2, 3):
+            ks = [c / (r.world_size ** p * r.accum_steps ** q) for c, r in zip(factors, results)]
+            if all(abs(k - ks[0]) <= tol * abs(ks[0]) for k in ks):
+                fits.append((abs(p) + abs(q), (p, q)))
+    fewest = min((n for n, _ in fits), default=None)
+    return tuple(pq for n, pq in fits if n == fewest)
+
+
+def _nearest(results: Sequence[Result], tol: float) -> Near | None:
+    """The mode the weights equal up to a factor, preferring k = +-1 and a law in W and A."""
+    near = []
+    for mode in MODES:
+        factors = [r.factor.get(mode) for r in results]
+        if None not in factors:
+            powers = _powers(factors, results, tol)
+            p, q = powers[0] if powers else (0, 0)
+            k = factors[0] / (results[0].world_size ** p * results[0].accum_steps ** q)  # c at W = A = 1
+            near.append(Near(mode, k, powers, tuple(factors)))
+    preference = [(not n.powers, abs(abs(n.scale) - 1) > tol, MODES.index(n.mode)) for n in near]
+    return near[preference.index(min(preference))] if near else None
+
+
+def _negative_share(weights: Tensor, mask: Tensor) -> float:
+    """sum of |w| over response tokens with w < 0, over sum of |w| on response tokens (0 when all are 0).
+
+    A negative weight means minimizing the loss lowers the token's log-prob where its advantage is
+    positive (w = -g / A_i): the sign of a returned objective, or of logp and old_logp swapped.
+    """
+    inside = weights[mask]
+    total = float(inside.abs().sum())
+    return float(inside.clamp(max=0).abs().sum()) / total if total > 0 else 0.0
 
 
 def audit_plans(loss_fn, batch: Minibatch, plans: dict[str, Plan] | Sequence[tuple[str, Plan]],
                 convention: Convention = Convention(), name: str = "loss", tol: float = 1e-6) -> Report:
     """Audit ``loss_fn`` under every (label, plan); the first is the reference the others are compared with."""
-    pairs = plans.items() if isinstance(plans, dict) else plans
+    pairs = list(plans.items() if isinstance(plans, dict) else plans)
+    if len(pairs) < 2:  # a reference alone: every verdict would be vacuously INVARIANT
+        raise ContractError("nothing to compare: only one process with one microbatch was asked for; "
+                            "give a world size or accumulation steps above 1")
     results = [measure(loss_fn, batch, plan, convention, label) for label, plan in pairs]
     ref = results[0].weights
     scale = ref.abs().max()
@@ -268,29 +431,35 @@ def audit_plans(loss_fn, batch: Minibatch, plans: dict[str, Plan] | Sequence[tup
         res.change = float(((res.weights - ref).abs() / floor).max())
     inside = float(ref[batch.mask].sum())
     constant = float(batch.mask.sum()) / inside if inside > 0 else math.inf  # C = N / sum w: 1/C per token
-    distance = {}
-    for mode in MODES:
-        gaps = []
-        for res in results:
+    for res in results:
+        for mode in MODES:
             if mode == "constant" and not math.isfinite(constant):
-                gaps.append(math.inf)
+                res.distance[mode] = math.inf
                 continue
-            den = constant if mode == "constant" else mode
-            expected = effective_weights(batch.mask, batch.group_ids, batch.num_groups, den, res.plan)  # (S, T)
-            gaps.append(float((res.weights - expected).abs().max() / expected.abs().max()))
-        distance[mode] = max(gaps)
+            expected = _mode_weights(mode, batch, res.plan, constant)  # (S, T)
+            res.distance[mode] = float((res.weights - expected).abs().max() / expected.abs().max())
+            if (c := _fit(res.weights, expected, tol)) is not None:
+                res.factor[mode] = c
+    distance = {mode: max(r.distance[mode] for r in results) for mode in MODES}
     leak = max(float(r.weights[~batch.mask].abs().sum() / r.weights.abs().sum()) for r in results)
+    negative = max(_negative_share(r.weights, batch.mask) for r in results)
     adv = batch.advantages.unsqueeze(-1)  # (S, 1)
     residual = max(float(r.residual.abs().max()) for r in results) / max(
         float((r.weights * adv).abs().max()) for r in results)
-    return Report(name, batch, convention, results, distance, constant, max(r.change for r in results), leak,
-                  residual, tol)
+    report = Report(name, batch, convention, results, distance, constant, max(r.change for r in results), leak,
+                    residual, tol, negative)
+    if report.equals is None:
+        report.near = _nearest(results, tol)
+    return report
 
 
 def audit(loss_fn, world_sizes: Sequence[int] = (8,), accum_steps: Sequence[int] = (4,),
           shardings: Sequence[str] = SHARD_KINDS, convention: Convention = Convention(), group_size: int = 8,
           max_new_tokens: int = 64, seed: int = 0, name: str | None = None, tol: float = 1e-6) -> Report:
-    """Audit ``loss_fn`` for every (W, A, sharding) asked for, against one process with one microbatch."""
+    """Audit ``loss_fn`` for every (W, A, sharding) asked for, against one process with one microbatch.
+
+    W = A = 1 is the reference itself; asking for nothing else is a ``ContractError``.
+    """
     layouts = [(w, a) for w in world_sizes for a in accum_steps]
     batch = synthetic_minibatch(minibatch_size([w * a for w, a in layouts], group_size), group_size,
                                 max_new_tokens, seed)
