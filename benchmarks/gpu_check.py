@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
               "run it on a GPU machine (--allow-cpu exercises the script on CPU)", file=sys.stderr)
         return 1
-    from gradnorm.models.hf import build_tiny_llama  # needs transformers: pip install -e '.[hf]'
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_models import build_tiny_llama  # needs transformers: pip install -e '.[hf]'
 
     device = "cuda" if cuda else "cpu"
     hardware = f"{args.nproc} x {torch.cuda.get_device_name(0)}, bf16 autocast" if cuda else f"CPU, {args.nproc} gloo rank(s), fp32"

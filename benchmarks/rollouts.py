@@ -77,7 +77,7 @@ def worker(argv: list[str]) -> int:
                      device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
     try:
         task, policy = build_policy(cfg, ctx.device)
-        model = policy.model
+
         amp = cfg.autocast_dtype(ctx.device.type)
         W = ctx.world_size
         configs = [(1, "replicated"), (1, "sharded")] + ([(W, "replicated"), (W, "sharded")] if W > 1 else [])

@@ -4,7 +4,7 @@
     python benchmarks/vs_trl.py               # 3 rounds (make bench runs this); writes benchmarks/vs_trl.md
     python benchmarks/vs_trl.py --quick       # 1 round of fewer steps: a smoke test
 
-Both sides train ``gradnorm.models.hf.build_tiny_qwen2`` (a random 2-layer, width-32 Qwen2 with a
+Both sides train ``examples/tiny_models.py``'s ``build_tiny_qwen2`` (a random 2-layer, width-32 Qwen2 with a
 character tokenizer, built offline) on ``examples/arithmetic.jsonl`` through the tokenizer's chat
 template: 16 prompts x 4 completions = 64 sequences per optimizer step whatever W, at most 32
 new tokens, temperature 1, fp32 on CPU, one thread per process, DAPO's token-level loss, clip
@@ -142,7 +142,8 @@ def _run(cmd: list[str]) -> None:
 
 def race(rounds: int, steps: int, skip: int) -> dict:
     """{W: {side: [per-step records of every round, warm-up steps dropped]}}."""
-    from gradnorm.models.hf import build_tiny_qwen2
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_models import build_tiny_qwen2
 
     runners = {"trl": run_trl, "gradnorm": run_gradnorm}
     found: dict = {w: {side: [] for side in runners} for w in (1, 2)}

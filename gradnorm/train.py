@@ -37,22 +37,25 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     one-ulp difference in a logit can flip a sampled token between W=1 and W=2.
  2. Shard. ``sharding.make_plan(--shard, lengths, W, A)`` assigns sequences to ranks and
     microbatches; each rank keeps plan[rank].
- 3. Accumulate. ``dist.comm.global_counts`` counts this rank's response tokens and all-reduces
-    the count vector ONCE (the fix; skipped by local and a constant, which need no counts);
-    ``update.accumulate_gradients`` backpropagates each microbatch's weighted loss with those
-    counts, under DDP's no_sync except the last. A microbatch's forward runs in chunks of rows of
-    similar response length, each cut to its longest response (``scoring.score_by_length``): the
-    same log-probs inside the response mask, without most of the padding.
+ 3. Accumulate. ``step.counts_for`` counts this rank's response tokens and all-reduces the count
+    vector ONCE (``dist.comm.global_counts``: the fix; skipped by local and a constant, which need
+    no counts); ``step.backward`` (``core.accumulate.accumulate_gradients``) backpropagates each
+    microbatch's weighted loss with those counts, under DDP's no_sync except the last. A
+    microbatch's forward runs in chunks of rows of similar response length, each cut to its
+    longest response (``policy.score_by_length``): the same log-probs inside the response mask,
+    without most of the padding.
  4. Step. Clip the global gradient norm (the logged grad_norm is the norm before clipping, the
-    same on every rank after DDP's all-reduce), AdamW step.
- 5. Log and checkpoint. One more all-reduce of 6 float64 sums (J, tokens, pg loss, KL, clipped tokens, entropy)
-    makes every logged statistic a global, token-weighted value comparable across W and A. It is a
-    logging collective, the same in every mode, separate from the normalization's count all-reduce.
-    A last tiny one (MAX of 3 floats) gives the slowest rank's phase times: where a step's time goes
-    (``gradnorm.trainer.run``: time_rollout_s, time_forward_backward_s, ...) is logged every step.
-    It also carries each rank's stop vote: after SIGTERM or SIGINT (to torchrun or to any one
-    rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a second
-    signal exits at once (gradnorm.trainer.guards).
+    same on every rank after DDP's all-reduce). One more all-reduce, of 6 float64 sums (J, tokens,
+    pg loss, KL, clipped tokens, entropy) followed by each rank's stop vote, comes back as a
+    ``step.StepStats``: every logged statistic a global, token-weighted value comparable across W
+    and A, and the stop every rank agreed on. It is a logging collective, the same in every mode,
+    separate from the normalization's count all-reduce. Then AdamW steps, or every rank skips a
+    step whose loss or gradient is not finite.
+ 5. Log and checkpoint. A last tiny all-reduce (MAX of 3 floats) gives the slowest rank's phase
+    times: where a step's time goes (``gradnorm.trainer.run.PhaseTimer``: time_rollout_s,
+    time_forward_backward_s, ...) is logged every step. After SIGTERM or SIGINT (to torchrun or to
+    any one rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a
+    second signal exits at once (``gradnorm.trainer.guards``, Preemption).
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
@@ -79,7 +82,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 import sys
 from pathlib import Path
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
                              device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
         except (RuntimeError, ValueError) as err:  # the rendezvous failed (address, port, a peer that never came)
-            guards.report_error(f"could not join the process group ({str(err).strip().splitlines()[0][:200]})", rank)
+            guards.report_error(f"could not join the process group ({guards.first_line(err)})", rank)
             return 1
         try:
             train(cfg, ctx, ckpt_path)

@@ -1,4 +1,4 @@
-"""Shared test plumbing: the browser tests need Chromium and Playwright, and CI must have both.
+"""Shared test plumbing: examples/ on the path, and the browser tests need Chromium and Playwright.
 
 Locally, tests marked `browser` skip with the reason when either is missing (or deselect them
 with `pytest -m "not browser"`). With CI=true (or 1) a missing browser fails them instead: a
@@ -7,9 +7,13 @@ green CI run must have driven a real browser.
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# examples/tiny_models.py builds the tiny random Hugging Face models the tests train (offline)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from skipping import skip_or_fail  # tests/skipping.py
 

@@ -5,7 +5,7 @@ gradnorm. Every token of sequence i gets the same weight w_i in J = sum_i w_i su
 
     token      1 / N                   N: response tokens of the whole batch
     sequence   1 / (S_tok * |o_i|)     S_tok: sequences with at least one token
-    group      1 / (Ga * N_g(i))       N_g: tokens of prompt group g; Ga: groups with a token
+    group      1 / (N_groups * N_g(i))       N_g: tokens of prompt group g; N_groups: groups with a token
     C          1 / C                   a constant (Dr GRPO: C = S * max_new_tokens, S every sequence)
     local      1 / (W * A * N[r, m])   N[r, m]: tokens of the microbatch that holds sequence i
 

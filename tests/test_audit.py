@@ -45,7 +45,7 @@ def random_plan(num_sequences, world_size, accum_steps, seed):
 
 
 def oracle(mode, mask, group_ids, plan, constant=None):
-    """w[i, t] of DESIGN.md's table, longhand: loops over ranks, microbatches and sequences."""
+    """w[i, t] of docs/design.md's table, longhand: loops over ranks, microbatches and sequences."""
     num_sequences = mask.shape[0]
     world_size, accum_steps = len(plan), len(plan[0])
     length = [int(mask[i].sum()) for i in range(num_sequences)]

@@ -303,7 +303,7 @@ def score(response, answer):
 @pytest.mark.slow
 def test_a_user_reward_that_raises_mid_rollout_shows_its_own_frames_only(tmp_path):
     pytest.importorskip("transformers")
-    from gradnorm.models.hf import build_tiny_llama
+    from tiny_models import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "tiny-llama", seed=0)
     (tmp_path / "pkgs").mkdir()

@@ -254,7 +254,7 @@ def kill_while_saving(cmd: list[str], env: dict, markers: Path, world_size: int)
 def runs(tmp_path_factory):
     """{name: output dir} of the five launches, plus what the killed run left before its resume."""
     pytest.importorskip("transformers")
-    from gradnorm.models.hf import build_tiny_llama
+    from tiny_models import build_tiny_llama
 
     base = tmp_path_factory.mktemp("checkpoints")
     model = build_tiny_llama(base / "tiny-llama", seed=0)

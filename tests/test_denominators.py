@@ -1,7 +1,7 @@
 """The denominators against hand-worked numbers, and the parser against every form users type.
 
 The hand example: four sequences with 1, 3, 2 and 2 response tokens, in two prompt groups
-{0, 1} and {2, 3}. So N = 8, S = 4, N_0 = N_1 = 4, Ga = 2, and the weights in J are
+{0, 1} and {2, 3}. So N = 8, S = 4, N_0 = N_1 = 4, N_groups = 2, and the weights in J are
 token 1/8 each; sequence 1/(4*|o_i|) = 1/4, 1/12, 1/8, 1/8; group 1/(2*4) = 1/8; C = 10 -> 1/10.
 """
 

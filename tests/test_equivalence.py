@@ -43,7 +43,7 @@ def oracle_objective(policy, problem, denominator, plan=None):
     if denominator == "sequence":  # (1/S) sum_i (1/|o_i|) sum_t l
         per_sequence = [l[i].sum() / mask[i].sum() for i in range(len(mask)) if mask[i].any()]
         return sum(per_sequence) / len(per_sequence)
-    if denominator == "group":  # (1/Ga) sum_g (1/N_g) sum_{i in g} sum_t l
+    if denominator == "group":  # (1/N_groups) sum_g (1/N_g) sum_{i in g} sum_t l
         per_group = []
         for g in range(problem.num_groups):
             members = problem.group_ids == g

@@ -31,6 +31,6 @@ def test_without_cuda_the_check_explains_and_exits_1(gpu_check, capsys):
 
 def test_a_row_names_the_model_size(gpu_check, tmp_path):
     pytest.importorskip("transformers")
-    from gradnorm.models.hf import build_tiny_llama
+    from tiny_models import build_tiny_llama
 
     assert gpu_check.describe(build_tiny_llama(tmp_path)) == "Llama 2x32 (24k params)"

@@ -18,9 +18,8 @@ from torch.testing import assert_close
 
 pytest.importorskip("transformers")
 
+from tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402  (examples/, on the path via conftest)
 from gradnorm.models.hf import (  # noqa: E402
-    build_tiny_llama,
-    build_tiny_qwen2,
     generate,
     load_causal_lm,
     load_tokenizer,

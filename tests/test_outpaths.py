@@ -45,6 +45,7 @@ from gradnorm.train import main as train_main  # noqa: E402
 from gradnorm.trainer import checkpoints as checkpointing, guards as preflight  # noqa: E402
 from gradnorm.trainer.config import parse_config  # noqa: E402
 from gradnorm.trainer.run import PREVIOUS, RunDir  # noqa: E402
+import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
 from test_bad_input import fake_checkpoint, fake_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +78,7 @@ def write():
                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
     torch.manual_seed(0)
     weights = transformers.AutoModelForCausalLM.from_config(config).state_dict()
-    tokenizer = hfmodels.build_tiny_tokenizer()
+    tokenizer = tiny_models.build_tiny_tokenizer()
     return lambda path: export.write_pretrained(config, dict(weights), tokenizer, path)
 
 
@@ -211,7 +212,7 @@ def exportable(tmp_path_factory) -> Path:
     """A Hugging Face run the export can convert: a tiny Llama's config.json and one real checkpoint."""
     transformers = pytest.importorskip("transformers")
     base = tmp_path_factory.mktemp("exportable")
-    model_dir = hfmodels.build_tiny_llama(base / "model", seed=0)
+    model_dir = tiny_models.build_tiny_llama(base / "model", seed=0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     run = base / "run"
     run.mkdir()

@@ -13,7 +13,6 @@ What must hold (gradnorm/trainer/guards.py; the trainer's use of it is four line
   logging all-reduce), one checkpoint of that step, and ``--resume`` matches an uninterrupted run.
 """
 
-import json
 import os
 import re
 import signal
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 from gradnorm.trainer import checkpoints as checkpointing, guards as preemption
-from gradnorm.trainer.run import TIMING_KEYS
+from runfiles import comparable, metrics  # tests/runfiles.py
 from gradnorm.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,14 +33,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--warmup-steps", "2", "--eval-prompts", "4",
         "--n-layer", "1", "--n-embd", "32", "--no-plot", "--seed", "5"]
 STEPS = 120  # far more than the steps that pass before the signal lands; --save-every keeps its default 100
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def comparable(out: Path) -> list[dict]:
-    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(out)]
 
 
 # ------------------------------------------------------------------ the module, in this process

@@ -100,7 +100,7 @@ def test_rewards_are_pluggable_by_name_or_import_path(monkeypatch):
 @pytest.fixture(scope="module")
 def tokenizer():
     pytest.importorskip("transformers")
-    from gradnorm.models.hf import build_tiny_tokenizer
+    from tiny_models import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 

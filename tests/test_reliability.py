@@ -13,7 +13,6 @@ holds the tests that the other test files did not already have.
 """
 
 import io
-import json
 import os
 import pickle
 import shutil
@@ -30,26 +29,18 @@ from torch.testing import assert_close
 from gradnorm.trainer import checkpoints as checkpointing
 from gradnorm.dist import state as dist_state
 from gradnorm.models import tinygpt as tinygpt_module
-from gradnorm import train as train_module
+
 from gradnorm.trainer import step as trainer_step
 from gradnorm.trainer.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
-from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.train import main
 from gradnorm.teach.launch import torchrun_command
+from runfiles import comparable, metrics  # tests/runfiles.py
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "2", "--eval-prompts", "2",
         "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--no-plot", "--seed", "3"]
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def comparable(out: Path) -> list[dict]:
-    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(out)]
 
 
 def run_main(out: Path, *flags: str) -> int:

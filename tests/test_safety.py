@@ -44,6 +44,7 @@ from gradnorm.trainer import checkpoints as checkpointing
 from gradnorm import export
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
+import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
 from test_reliability import one_error_line
 
 
@@ -165,7 +166,7 @@ def test_a_poisoned_hugging_face_model_never_runs_its_payload(tmp_path):
     from gradnorm.models import hf as hfmodels
 
     target = tmp_path / "PWNED"
-    model_dir = hfmodels.build_tiny_llama(tmp_path / "tiny-llama", seed=0)
+    model_dir = tiny_models.build_tiny_llama(tmp_path / "tiny-llama", seed=0)
     (model_dir / "model.safetensors").unlink()  # transformers falls back to pytorch_model.bin
     (model_dir / "pytorch_model.bin").write_bytes(torch_saved({"lm_head.weight": Payload(target)}))
     with pytest.raises(ValueError, match="refused by the safe unpickler") as err:  # one line, not a missing file

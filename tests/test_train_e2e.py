@@ -16,7 +16,6 @@ The (1,1) references run the script's ``main()`` in one plain Python process (no
 every other run is its own torchrun launch, one after another (12 torchrun launches).
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ from gradnorm.trainer.run import MAX_PHASES, PHASES
 from gradnorm.trainer.run import METRIC_KEYS as PHASE_KEYS
 from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.teach.launch import torchrun_command
+from runfiles import metrics  # tests/runfiles.py
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +47,6 @@ def torchrun(nproc: int, out: Path, *flags: str) -> None:
     cmd = torchrun_command(nproc, *TINY, "--output-dir", str(out), *flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

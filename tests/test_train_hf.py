@@ -14,7 +14,6 @@ What must hold after 2 steps, responses sorted by length over ranks (``--shard l
   reduction as DDP.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -25,8 +24,9 @@ from torch.testing import assert_close
 
 pytest.importorskip("transformers")
 
-from gradnorm.models.hf import build_tiny_llama  # noqa: E402
+from tiny_models import build_tiny_llama  # noqa: E402
 from gradnorm.teach.launch import torchrun_command
+from runfiles import metrics  # tests/runfiles.py
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +36,6 @@ def text_score(response, answer):
     """Deterministic and arbitrary: spreads rewards over [0, 1] so every group has an advantage."""
     return (sum(map(ord, response)) % 11) / 10
 '''
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.trainer.policy import build_policy, warm_up
 from gradnorm.train import main
 from gradnorm.trainer.config import parse_config
+from runfiles import comparable, metrics  # tests/runfiles.py
 from test_bad_input_runtime import every_file
 from test_reliability import one_error_line
 
@@ -66,14 +67,6 @@ def torchrun(out: Path, *flags: str) -> None:
 
 def one_process(out: Path, *flags: str) -> None:
     assert main([*TINY, "--output-dir", str(out), *flags]) == 0
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def comparable(out: Path) -> list[dict]:
-    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(out)]
 
 
 def departs(got: float, reference: float) -> bool:

@@ -9,7 +9,7 @@ plain ``python`` path in this process (no process group, no wrapper); W = 2 is t
 ranks under DDP and under FSDP2.
 
 The oracle is one process, the whole batch, float64, and weights computed by loops over the
-response lengths (tests/longhand.py: 1/N, 1/(S_tok * |o_i|), 1/(Ga * N_g), 1/C, and for ``local``
+response lengths (tests/longhand.py: 1/N, 1/(S_tok * |o_i|), 1/(N_groups * N_g), 1/C, and for ``local``
 1/(W * A * N[r, m])), never by gradnorm's weight functions. What must hold: the trainer's flat
 gradient equals the oracle's to fp32 rounding in every mode, for every (W, A, sharding); the
 control: ``local`` under length sharding is far from the token oracle (and on its own formula).

@@ -12,7 +12,7 @@ from gradnorm.audit.probe import (
     MODES,
     ContractError,
     Convention,
-    Minibatch,
+    SyntheticBatch,
     Report,
     Result,
     audit,
@@ -22,5 +22,5 @@ from gradnorm.audit.probe import (
     synthetic_minibatch,
 )
 
-__all__ = ["COUNTS", "MODES", "ContractError", "Convention", "Minibatch", "Report", "Result", "audit",
+__all__ = ["COUNTS", "MODES", "ContractError", "Convention", "SyntheticBatch", "Report", "Result", "audit",
            "audit_plans", "load_loss", "measure", "synthetic_minibatch"]

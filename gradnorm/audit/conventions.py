@@ -17,7 +17,7 @@ and differ only in how they weigh it (the weight each one ends up with, per toke
     sequence_mean_then_batch_mean     1 / (S * |o_i|)            DeepSeekMath GRPO (``sequence``)
     token_sum_over_constant           1 / C                      Dr GRPO (a constant)
     token_sum_over_global_count       1 / N                      DAPO, the fix (``token``)
-    group_mean_then_mean_of_groups    1 / (Ga * N_g(i))          per prompt group (``group``)
+    group_mean_then_mean_of_groups    1 / (N_groups * N_g(i))          per prompt group (``group``)
     microbatch_mean_of_sequence_means 1 / (W * A * n[r,m] * |o_i|)  skewed unless every microbatch
                                                                  holds the same number of sequences
 """
@@ -75,7 +75,7 @@ def token_sum_over_global_count(logp, old_logp, advantages, mask, *, num_tokens,
 
 
 def group_mean_then_mean_of_groups(logp, old_logp, advantages, mask, *, num_groups, group_tokens, world_size):
-    """J = (1/Ga) sum_g (1/N_g) sum_{i in g} sum_t l M: every prompt group weighs the same.
+    """J = (1/N_groups) sum_g (1/N_g) sum_{i in g} sum_t l M: every prompt group weighs the same.
 
     ``group_tokens`` (n,) holds N_g(i), the global token count of each sequence's group.
     """

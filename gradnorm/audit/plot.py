@@ -13,7 +13,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.container import BarContainer
 from matplotlib.image import AxesImage
 
-from gradnorm.audit import Minibatch, Result
+from gradnorm.audit import SyntheticBatch, Result
 from gradnorm.teach.palette import MODE_COLORS, NEUTRAL_COLOR, PADDING_COLOR, TOKENS_COLOR, WEIGHT_CMAP
 
 
@@ -24,7 +24,7 @@ def plan_rows(result: Result) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.array(col, dtype=int) for col in zip(*rows))  # type: ignore[return-value]
 
 
-def weight_map(batch: Minibatch, result: Result) -> np.ndarray:
+def weight_map(batch: SyntheticBatch, result: Result) -> np.ndarray:
     """(S, T) rows in plan order: w[i, t] * N, a token's weight in units of the token mean 1/N.
 
     1 everywhere is the global token mean. NaN where a token has no weight and is outside the
@@ -36,7 +36,7 @@ def weight_map(batch: Minibatch, result: Result) -> np.ndarray:
     return np.where((mask & (w > 0)) | (~mask & (w != 0)), np.abs(w), np.nan)
 
 
-def plot_weight_map(ax: Axes, batch: Minibatch, result: Result, span: float = 16.0,
+def plot_weight_map(ax: Axes, batch: SyntheticBatch, result: Result, span: float = 16.0,
                     title: str | None = None) -> AxesImage:
     """Tokens by rank and microbatch, coloured by weight x N on a log scale (white = 1/N).
 

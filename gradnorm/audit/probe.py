@@ -51,20 +51,21 @@ import torch
 from torch import Tensor
 
 from gradnorm.core.grpo import group_advantages
+from gradnorm.core.modes import MODE_NAMES
 from gradnorm.core.sharding import SHARD_KINDS, Plan, make_plan, validate_plan
 from gradnorm.core.simulate import effective_weights, simulated_counts
 
 COUNTS = {
     "ref_logp": "(n, T) reference log-probs; equal to logp here, so a k2/k3 KL has zero gradient",
     "num_tokens": "N: response tokens of the whole minibatch (all ranks, all microbatches)",
-    "num_sequences": "S: sequences of the minibatch with at least one response token",
-    "num_groups": "Ga: prompt groups of the minibatch with at least one response token",
+    "num_sequences": "S_tok: sequences of the minibatch with at least one response token",
+    "num_groups": "N_groups: prompt groups of the minibatch with at least one response token",
     "group_tokens": "(n,) int64: N_g(i), the minibatch's token count of each sequence's group",
     "group_ids": "(n,) int64: the global prompt-group index of each sequence",
     "world_size": "W: data-parallel ranks",
     "accum_steps": "A: microbatches per rank per optimizer step",
 }
-MODES = ("local", "token", "sequence", "group", "constant")  # compared in this order
+MODES = MODE_NAMES  # compared in this order: the core's modes, then Dr GRPO's constant
 
 
 class ContractError(ValueError):
@@ -72,7 +73,7 @@ class ContractError(ValueError):
 
 
 @dataclass(frozen=True)
-class Minibatch:
+class SyntheticBatch:
     """The synthetic ragged GRPO minibatch every loss is audited on (S sequences, T positions)."""
 
     logp: Tensor  # (S, T) float64, also on padding, where a loss that ignores the mask reads it
@@ -86,7 +87,7 @@ class Minibatch:
         return len(self.mask) // self.group_size
 
 
-def synthetic_minibatch(num_sequences: int, group_size: int = 8, max_new_tokens: int = 64, seed: int = 0) -> Minibatch:
+def synthetic_minibatch(num_sequences: int, group_size: int = 8, max_new_tokens: int = 64, seed: int = 0) -> SyntheticBatch:
     """Groups of G completions with lengths log-uniform in [1, T], so every group is ragged."""
     gen = torch.Generator().manual_seed(seed)
     u = torch.rand(num_sequences, generator=gen, dtype=torch.float64)
@@ -94,7 +95,7 @@ def synthetic_minibatch(num_sequences: int, group_size: int = 8, max_new_tokens:
     logp = -(0.05 + 3.0 * torch.rand(num_sequences, max_new_tokens, generator=gen, dtype=torch.float64))
     adv = group_advantages(torch.rand(num_sequences, generator=gen, dtype=torch.float64), group_size)
     adv = torch.where(adv >= 0, adv.clamp(min=0.1), adv.clamp(max=-0.1))  # nonzero: w = -g / A
-    return Minibatch(logp=logp, mask=torch.arange(max_new_tokens) < lengths.unsqueeze(-1), advantages=adv,
+    return SyntheticBatch(logp=logp, mask=torch.arange(max_new_tokens) < lengths.unsqueeze(-1), advantages=adv,
                      group_ids=torch.arange(num_sequences) // group_size, group_size=group_size)
 
 
@@ -192,7 +193,7 @@ class Convention:
     """How gradients combine over ranks: "mean" (DDP, FSDP) or "sum"."""
 
 
-def _call(loss_fn, batch: Minibatch, plan: Plan, advantages: Tensor, convention: Convention) -> Tensor:
+def _call(loss_fn, batch: SyntheticBatch, plan: Plan, advantages: Tensor, convention: Convention) -> Tensor:
     """g (S, T): the reduced gradient of one optimizer step with respect to every token's logp."""
     world_size, accum_steps = len(plan), len(plan[0])
     counts = simulated_counts(plan, batch.mask.sum(-1), batch.group_ids, batch.num_groups)
@@ -269,7 +270,7 @@ class Result:
         return len({len(mb) for rank in self.plan for mb in rank}) == 1
 
 
-def measure(loss_fn, batch: Minibatch, plan: Plan, convention: Convention = Convention(), label: str = "") -> Result:
+def measure(loss_fn, batch: SyntheticBatch, plan: Plan, convention: Convention = Convention(), label: str = "") -> Result:
     """The effective weight w[i, t] of every token of ``batch`` under ``plan`` (see the module docstring)."""
     validate_plan(plan, len(batch.mask))
     plus = _call(loss_fn, batch, plan, batch.advantages, convention)
@@ -304,7 +305,7 @@ class Report:
     """The audit of one loss: its weights under every configuration, and the verdict."""
 
     name: str
-    batch: Minibatch
+    batch: SyntheticBatch
     convention: Convention
     results: list[Result]  # results[0] is the reference: one process, one microbatch
     distance: dict[str, float]  # mode -> max |w - w_mode| / max |w_mode| over every configuration
@@ -362,7 +363,7 @@ class Report:
         return 0 if self.invariant and not self.leaks and not self.wrong_sign else 1
 
 
-def _mode_weights(mode: str, batch: Minibatch, plan: Plan, constant: float) -> Tensor:
+def _mode_weights(mode: str, batch: SyntheticBatch, plan: Plan, constant: float) -> Tensor:
     """(S, T) the weights gradnorm's ``mode`` gives under ``plan``; ``constant`` uses the fitted C."""
     den = constant if mode == "constant" else mode
     return effective_weights(batch.mask, batch.group_ids, batch.num_groups, den, plan)
@@ -414,7 +415,7 @@ def _negative_share(weights: Tensor, mask: Tensor) -> float:
     return float(inside.clamp(max=0).abs().sum()) / total if total > 0 else 0.0
 
 
-def audit_plans(loss_fn, batch: Minibatch, plans: dict[str, Plan] | Sequence[tuple[str, Plan]],
+def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequence[tuple[str, Plan]],
                 convention: Convention = Convention(), name: str = "loss", tol: float = 1e-6) -> Report:
     """Audit ``loss_fn`` under every (label, plan); the first is the reference the others are compared with."""
     pairs = list(plans.items() if isinstance(plans, dict) else plans)

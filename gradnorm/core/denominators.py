@@ -11,11 +11,11 @@ ranks, A microbatches per rank and the counts of the whole minibatch B (all rank
     local       1 / (W * A * N[r, m])                mean of per-microbatch means (the old bug)
     token       1 / N                                mean over every token of B
     sequence    1 / (S_tok * |o_i|)                  mean over sequences of per-sequence means
-    group       1 / (Ga * N_g(i))                    mean over prompt groups of per-group means
+    group       1 / (N_groups * N_g(i))                    mean over prompt groups of per-group means
     C > 0       1 / C                                sum over B divided by a constant (Dr GRPO)
 
 N = tokens in B, N[r, m] = tokens in microbatch m of rank r, |o_i| = tokens of sequence i,
-S_tok = sequences of B with at least one token, N_g = tokens of group g, Ga = groups with a token.
+S_tok = sequences of B with at least one token, N_g = tokens of group g, N_groups = groups with a token.
 
 Two counts of sequences, kept apart. S is every sequence of B (prompts-per-step * group-size, the
 S of every (S, T) shape): Dr GRPO's constant C = S * max_new_tokens counts it, and it is what
@@ -119,7 +119,7 @@ class Counts:
 
     @property
     def active_groups(self) -> int:
-        """Ga: prompt groups of B with at least one response token (derived)."""
+        """N_groups: prompt groups of B with at least one response token (derived)."""
         return int((self.group_tokens > 0).sum())
 
     @classmethod
@@ -189,7 +189,7 @@ def token_weights(
     ``mb_mask`` (n, T) is the microbatch's response mask, ``mb_group_ids`` (n,) its sequences'
     global group indices, ``counts`` the global counts (``None`` is allowed for ``local``, the
     only mode that needs none). W and A are used by ``local`` alone: no other mode divides by A,
-    because N, S_tok, N_g and Ga already cover every microbatch of every rank.
+    because N, S_tok, N_g and N_groups already cover every microbatch of every rank.
     """
     if isinstance(denominator, str):
         fn = WEIGHT_FNS[denominator]
@@ -236,7 +236,7 @@ def microbatch_loss(
     """THE heart of a step: (L, w) for one microbatch, L = sum_t W * w * l * M (a scalar to backward).
 
     ``mb_token_loss`` l (n, T) and ``mb_mask`` M (n, T) are the microbatch's; w (n, T) comes back
-    too, for the logged statistics. The trainer (``update.accumulate_gradients``), the simulation
+    too, for the logged statistics. The trainer (``accumulate.accumulate_gradients``), the simulation
     (``simulate.simulated_gradient``) and the benchmarks all build their backward loss here.
     """
     w = token_weights(mb_mask, mb_group_ids, denominator, counts,

@@ -15,7 +15,7 @@ from gradnorm.core.denominators import MODES, Denominator
 CONSTANT = "constant"
 MODE_NAMES: tuple[str, ...] = (*MODES, CONSTANT)
 INVARIANT_MODES: tuple[str, ...] = tuple(m for m in MODE_NAMES if m != "local")  # every mode but the bug
-# Who uses which denominator (papers by name; see DESIGN.md "Facts from the field").
+# Who uses which denominator (papers by name; see docs/design.md, "What the field got wrong").
 PAPER_OF_MODE = {
     "sequence": "DeepSeekMath GRPO",
     "token": "DAPO",

@@ -142,7 +142,7 @@ def global_counts(
     """THE collective of the fix: one all-reduce of the small int64 count vector per minibatch.
 
     Counts this rank's response tokens over all its microbatches (``microbatches[m]`` indexes
-    ``lengths`` (S,) and ``group_ids`` (S,), on the rank's device) into ``[N, S, N_0..N_{G-1}]``
+    ``lengths`` (S,) and ``group_ids`` (S,), on the rank's device) into ``[N, S_tok, N_0..N_{G-1}]``
     and sums the vector over ranks. Every rank must call this once per minibatch, before its
     first forward pass, even a rank that holds no response tokens (its vector is zeros), so no
     rank waits on one that skipped it. ``local`` and a constant need no counts: None, and no

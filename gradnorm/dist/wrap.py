@@ -14,7 +14,7 @@ shard of the gradient on rank r is exactly rank r's slice of dJ/dtheta:
     FSDP2: grad[shard r] = ((1/W) sum_r dL_r/dtheta)[shard r] (every rank holds its shard)
 
 Accumulation: DDP skips communication inside ``no_sync()``; FSDP2 has a switch,
-``set_requires_gradient_sync(False)``, instead of a context. ``update._no_sync`` handles both, so
+``set_requires_gradient_sync(False)``, instead of a context. ``gradnorm.core.accumulate``'s ``_no_sync`` handles both, so
 A microbatches really add up before the one reduction of the last backward.
 
 Parameters and gradients of an FSDP2 module are DTensors (sharded over dim 0):

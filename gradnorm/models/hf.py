@@ -20,8 +20,8 @@ Sampling is our own loop over the model's KV cache (``gradnorm.models.sampling.d
 trainer needs sequence i of step k to be a function of (seed, k, i) and the weights, whichever
 rank samples it and whatever the world size.
 
-``build_tiny_llama`` / ``build_tiny_qwen2`` write a tiny random model and a character-level
-tokenizer (built locally with ``tokenizers``, no download) to a directory that ``--model`` loads.
+``examples/tiny_models.py`` writes a tiny random Llama or Qwen2 with a character-level tokenizer
+(built locally, no download) to a directory that ``--model`` loads: what the offline tests train.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from __future__ import annotations
 import inspect
 import pickle
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gradnorm.core.errors import first_line
 from gradnorm.models.sampling import decode
 from gradnorm.models.tinygpt import token_logprobs_and_entropy
 
@@ -61,7 +61,7 @@ def load_tokenizer(name_or_path: str) -> Any:
     try:
         tok = transformers.AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--model {name_or_path!r}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"--model {name_or_path!r}: cannot load its tokenizer ({first_line(e)})") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -88,7 +88,7 @@ def load_causal_lm(
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **{dtype_kw: dtype})
     except (OSError, ValueError) as e:
-        raise ValueError(f"--model {name_or_path!r}: cannot load it ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"--model {name_or_path!r}: cannot load it ({first_line(e)})") from None
     except pickle.UnpicklingError as e:  # a pickled weights file that holds more than tensors: never run it
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         what = f"it references {found.group(1)}" if found else "it holds more than tensors"
@@ -215,62 +215,3 @@ def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int, *, pad_
     logits = model(input_ids=tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
                    use_cache=False, **kwargs).logits  # (B, R or L - 1, V)
     return token_logprobs_and_entropy(logits[:, -R:], tokens[:, prompt_len:])
-
-
-# ---------------------------------------------------------------------------------------------
-# Tiny random models for offline tests
-# ---------------------------------------------------------------------------------------------
-
-# Characters of the example prompts and their answers; anything else becomes <unk>.
-TINY_CHARS = "0123456789+-*/=?.,:;!'()[]{}\\$% \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-TINY_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3
-# A minimal chat template: "<s>user: ...\nassistant: "; real models ship their own.
-TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-
-def build_tiny_tokenizer():
-    """A character-level PreTrainedTokenizerFast (one id per character), made without any download."""
-    transformers = require_transformers()
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {tok: i for i, tok in enumerate([*TINY_SPECIALS, *TINY_CHARS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character a token
-    core.decoder = decoders.Fuse()  # join characters back without spaces
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    tok.chat_template = TINY_CHAT_TEMPLATE
-    return tok
-
-
-def _build_tiny(config_cls_name: str, out_dir: str | Path, seed: int, **overrides) -> Path:
-    transformers = require_transformers()
-    tok = build_tiny_tokenizer()
-    kwargs = dict(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    config = getattr(transformers, config_cls_name)(**kwargs)
-    torch.manual_seed(seed)  # the random weights are a function of the seed
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return out_dir
-
-
-def build_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """A 2-layer, width-32 random Llama (GQA 4/2 heads) and its tokenizer in ``out_dir``."""
-    return _build_tiny("LlamaConfig", out_dir, seed, **overrides)
-
-
-def build_tiny_qwen2(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """A 2-layer, width-32 random Qwen2 (q/k/v biases, tied embeddings as in the small Qwens)."""
-    return _build_tiny("Qwen2Config", out_dir, seed, **{"tie_word_embeddings": True, **overrides})

@@ -3,7 +3,7 @@
 ``decode`` owns everything the policies share (the output buffer, EOS bookkeeping, the draw of
 each token, when to stop); a policy supplies only its prefill logits and a function that feeds one
 new token and returns the next logits. TinyGPT (``tinygpt.generate``) and Hugging Face models
-(``hfmodels.generate``) both call it, so their sampling semantics cannot drift apart.
+(``hf.generate``) both call it, so their sampling semantics cannot drift apart.
 
 The randomness is an argument, not a generator's running state: ``uniforms[i, t]`` in [0, 1)
 decides the token of row i at response position t by inverse-CDF sampling,

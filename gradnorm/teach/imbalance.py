@@ -24,7 +24,7 @@ from gradnorm.core.simulate import effective_weights
 
 
 @dataclass(frozen=True)
-class Minibatch:
+class ShardedBatch:
     """A minibatch of response lengths laid out over W ranks x A microbatches."""
 
     lengths: Tensor  # (S,) |o_i|, int64
@@ -55,7 +55,7 @@ def imbalanced_minibatch(
     imbalance: float = 4.0,
     seqs_per_microbatch: int = 2,
     full_length: int = 12,
-) -> Minibatch:
+) -> ShardedBatch:
     """Every microbatch full, except rank 0's first, whose tokens are ``imbalance`` times fewer.
 
     Each microbatch holds ``seqs_per_microbatch`` sequences (one prompt group) of ``full_length``
@@ -68,7 +68,7 @@ def imbalanced_minibatch(
     short_length = max(1, round(full_length / imbalance))
     lengths = torch.full((num_sequences,), full_length, dtype=torch.int64)
     lengths[:seqs_per_microbatch] = short_length  # contiguous sharding puts these on rank 0, mb 0
-    return Minibatch(
+    return ShardedBatch(
         lengths=lengths,
         group_ids=torch.arange(num_sequences) // seqs_per_microbatch,
         num_groups=world_size * accum_steps,
@@ -76,9 +76,9 @@ def imbalanced_minibatch(
     )
 
 
-def worked_example_minibatch() -> Minibatch:
+def worked_example_minibatch() -> ShardedBatch:
     """The seed example of ``gradnorm.teach.worked_example``: 2 ranks x 2 microbatches, tokens 3, 14 | 12, 12."""
-    return Minibatch(lengths=worked_example.LENGTHS.clone(), group_ids=worked_example.GROUPS.clone(), num_groups=2,
+    return ShardedBatch(lengths=worked_example.LENGTHS.clone(), group_ids=worked_example.GROUPS.clone(), num_groups=2,
                      plan=worked_example.PLAN)
 
 
@@ -99,7 +99,7 @@ class Layout:
         return self.length * self.weight
 
 
-def token_layout(batch: Minibatch, mode: str, max_new_tokens: int | None = None) -> Layout:
+def token_layout(batch: ShardedBatch, mode: str, max_new_tokens: int | None = None) -> Layout:
     """Per-token weight of every sequence under ``mode`` and ``batch.plan``.
 
     Within a sequence every mode gives all tokens the same weight, so one number per sequence
@@ -108,20 +108,20 @@ def token_layout(batch: Minibatch, mode: str, max_new_tokens: int | None = None)
     return _layout(batch, _weights(batch, mode, max_new_tokens))
 
 
-def layout_and_shares(batch: Minibatch, mode: str) -> tuple[Layout, RankShares]:
+def layout_and_shares(batch: ShardedBatch, mode: str) -> tuple[Layout, RankShares]:
     """``token_layout`` and ``batch_rank_shares`` from one computation of the weights (the explorer's)."""
     w = _weights(batch, mode)
     return _layout(batch, w), _shares(batch.mask, w, batch.plan)
 
 
-def _weights(batch: Minibatch, mode: str, max_new_tokens: int | None = None) -> Tensor:
+def _weights(batch: ShardedBatch, mode: str, max_new_tokens: int | None = None) -> Tensor:
     """(S, T) the library's effective weights of ``batch`` under a mode name."""
     max_new_tokens = int(batch.lengths.max()) if max_new_tokens is None else max_new_tokens
     denominator = resolve(mode, len(batch.lengths), max_new_tokens)
     return effective_weights(batch.mask, batch.group_ids, batch.num_groups, denominator, batch.plan)
 
 
-def _layout(batch: Minibatch, w: Tensor) -> Layout:
+def _layout(batch: ShardedBatch, w: Tensor) -> Layout:
     order, ranks, mbs = [], [], []
     for r, rank in enumerate(batch.plan):
         for m, mb in enumerate(rank):
@@ -163,8 +163,8 @@ def _shares(mask: Tensor, w: Tensor, plan: Plan) -> RankShares:
     return RankShares(update=as_shares(weight), tokens=as_shares(tokens))
 
 
-def batch_rank_shares(batch: Minibatch, mode: str) -> RankShares:
-    """``rank_shares`` of a ``Minibatch`` under a mode name."""
+def batch_rank_shares(batch: ShardedBatch, mode: str) -> RankShares:
+    """``rank_shares`` of a ``ShardedBatch`` under a mode name."""
     denominator = resolve(mode, len(batch.lengths), int(batch.lengths.max()))
     return rank_shares(batch.mask, batch.group_ids, batch.num_groups, denominator, batch.plan)
 

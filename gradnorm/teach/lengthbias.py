@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gradnorm.core.grpo import group_advantages
-from gradnorm.teach.imbalance import Layout, Minibatch, as_shares, token_layout
+from gradnorm.teach.imbalance import Layout, ShardedBatch, as_shares, token_layout
 from gradnorm.core.modes import INVARIANT_MODES
 
 
@@ -55,7 +55,7 @@ def length_weights(
     """
     lengths_t = torch.as_tensor(lengths, dtype=torch.int64)
     max_new_tokens = int(lengths_t.max()) if max_new_tokens is None else max_new_tokens
-    batch = Minibatch(lengths_t, torch.arange(len(lengths_t)) // group_size,
+    batch = ShardedBatch(lengths_t, torch.arange(len(lengths_t)) // group_size,
                       -(-len(lengths_t) // group_size), [[torch.arange(len(lengths_t))]])
     per_token = {m: _by_sequence(token_layout(batch, m, max_new_tokens)) for m in modes}
     length = lengths_t.numpy()

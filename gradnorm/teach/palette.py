@@ -30,10 +30,6 @@ WEIGHT_CMAP = "RdBu_r"  # w x N on a log scale, read with its colour bar: white 
 PADDING_COLOR = "#bdbdbd"  # tokens outside the mask, dark enough that white (1/N) tokens stand out
 
 
-def mode_color(mode: str) -> str:
-    return MODE_COLORS[mode]
-
-
 def rank_color(rank: int) -> str:
     return RANK_COLORS[rank % len(RANK_COLORS)]
 

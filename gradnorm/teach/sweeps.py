@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gradnorm.teach.imbalance import Minibatch
+from gradnorm.teach.imbalance import ShardedBatch
 from gradnorm.core.modes import MODE_NAMES, resolve
 from gradnorm.core.sharding import Plan, make_plan
 from gradnorm.core.simulate import simulated_gradient
@@ -196,11 +196,11 @@ def packed_pairs(
     return tuple(lengths), plan
 
 
-def pairs_as_minibatch(plan: Plan) -> Minibatch:
-    """A plan over preference pairs as a ``Minibatch`` of one-token sequences: each pair one unit,
+def pairs_as_minibatch(plan: Plan) -> ShardedBatch:
+    """A plan over preference pairs as a ``ShardedBatch`` of one-token sequences: each pair one unit,
     so ``token_layout`` and ``rank_shares`` give each pair's weight and each rank's share."""
     num_pairs = sum(len(mb) for rank in plan for mb in rank)
-    return Minibatch(torch.ones(num_pairs, dtype=torch.int64), torch.arange(num_pairs), num_pairs, plan)
+    return ShardedBatch(torch.ones(num_pairs, dtype=torch.int64), torch.arange(num_pairs), num_pairs, plan)
 
 
 def dpo_sweep(

@@ -20,7 +20,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from gradnorm.teach.imbalance import Minibatch, layout_and_shares
+from gradnorm.teach.imbalance import ShardedBatch, layout_and_shares
 from gradnorm.teach.lengthbias import CorrectVsWrong
 from gradnorm.teach.palette import MODE_COLORS, NEUTRAL_COLOR, TOKENS_COLOR, mode_style, rank_color
 from gradnorm.teach.sweeps import GradientSweep
@@ -98,7 +98,7 @@ class ImbalanceView:
                                       self.ax_w.yaxis, *[b for bars in self.share_bars.values() for b in bars],
                                       self.fair, *_spines(self.ax_s), self.ax_s.xaxis]
 
-    def update(self, batch: Minibatch) -> dict:
+    def update(self, batch: ShardedBatch) -> dict:
         modes = (self.mode, self.reference)
         both = {m: layout_and_shares(batch, m) for m in modes}
         layouts = {m: layout for m, (layout, _) in both.items()}
@@ -141,7 +141,7 @@ class ImbalanceView:
                 "line": self.line, "share_bars": {k: bars[:world_size] for k, bars in self.share_bars.items()}}
 
 
-def imbalance_figure(fig: Figure, batch: Minibatch) -> dict:
+def imbalance_figure(fig: Figure, batch: ShardedBatch) -> dict:
     """``ImbalanceView`` of one minibatch as a static figure (the seed example of notebook 01)."""
     view = ImbalanceView(fig, max_sequences=len(batch.lengths), max_ranks=batch.world_size)
     artists = view.update(batch)
@@ -250,10 +250,3 @@ class CorrectVsWrongView:
             rect_w.set_height(wrong)
         return {"correct": self.correct, "wrong": self.wrong, "share_correct": self.share_c,
                 "share_wrong": self.share_w}
-
-
-def correct_vs_wrong_figure(fig: Figure, view: CorrectVsWrong) -> dict:
-    """``CorrectVsWrongView`` of one setting as a static figure."""
-    artists = CorrectVsWrongView(fig, list(view.push_per_token)).update(view)
-    fig.tight_layout()
-    return artists

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 
 from gradnorm.teach import views
 from gradnorm.teach.canvas import BlitCanvas
-from gradnorm.teach.imbalance import Minibatch, imbalanced_minibatch
+from gradnorm.teach.imbalance import ShardedBatch, imbalanced_minibatch
 from gradnorm.teach.lengthbias import correct_vs_wrong
 from gradnorm.core.modes import INVARIANT_MODES, MODE_NAMES
 from gradnorm.teach.palette import MODE_COLORS
@@ -109,14 +109,14 @@ FULL_LENGTH = 24  # tokens per response in a full microbatch of the explorer
 IMBALANCES = (1, 2, 3, 4, 6, 8, 12, 24)  # the divisors of FULL_LENGTH: every imbalance is an exact ratio
 
 
-def token_imbalance_batch(world_size: int, accum_steps: int, imbalance: int) -> Minibatch:
+def token_imbalance_batch(world_size: int, accum_steps: int, imbalance: int) -> ShardedBatch:
     """The explorer's minibatch: responses of 24 tokens, rank 0's first microbatch 24 / imbalance."""
     if FULL_LENGTH % imbalance:
         raise ValueError(f"imbalance must divide {FULL_LENGTH} (one of {IMBALANCES}), got {imbalance}")
     return imbalanced_minibatch(world_size, accum_steps, imbalance, full_length=FULL_LENGTH)
 
 
-def describe_token_imbalance(batch: Minibatch, artists: dict) -> str:
+def describe_token_imbalance(batch: ShardedBatch, artists: dict) -> str:
     """The readout: tokens per microbatch, rank 0's shares, and what a short-microbatch token weighs."""
     local, token = artists["shares"]["local"], artists["shares"]["token"]
     tokens = batch.microbatch_tokens()

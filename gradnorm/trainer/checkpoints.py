@@ -12,7 +12,7 @@ Layout of output-dir/ (the same for ``--parallel ddp``, ``fsdp`` and a plain pro
         __{r}_0.distcp         rank r's part: its shards of the model and AdamW state under FSDP2
                                (under DDP DCP spreads the replicated tensors over the ranks), the
                                reference policy when --beta > 0, and rank r's RNG states
-        trainer_state.json     the trainer's counters (runstate.RunState: step, warm-up record,
+        trainer_state.json     the trainer's counters (RunState: step, warm-up record,
                                elapsed_s, skipped, in_a_row), plain JSON
     .ckpt_step{N}.tmp/         a checkpoint being written, never read
 
@@ -64,6 +64,7 @@ import copy
 import numpy as np
 import torch
 
+from gradnorm.core.errors import first_line
 from gradnorm.dist import comm
 from gradnorm.dist import state as dist_state
 from gradnorm.models import hf
@@ -132,7 +133,7 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
         if not comm.all_true(error is None):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            what = f"{type(error).__name__}: {_first_line(error, 400)}" if error is not None \
+            what = f"{type(error).__name__}: {first_line(error, 400)}" if error is not None \
                 else "it failed on another rank"
             # the run's files stay (gradnorm.trainer.run): the way on is --resume, or --overwrite with nothing to resume
             fixed = "once the cause is fixed (disk space, permissions)"
@@ -173,7 +174,7 @@ def read_run_state(path: str | Path, required: tuple[str, ...]) -> dict[str, Any
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (missing {RUN_FILE}); {ADVICE}") from None
     except (OSError, ValueError) as err:
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({RUN_FILE}: {_first_line(err)}); {ADVICE}") from None
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({RUN_FILE}: {first_line(err)}); {ADVICE}") from None
     missing = [k for k in required if not isinstance(run, dict) or k not in run]
     if missing:
         raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint ({RUN_FILE} lacks "
@@ -224,7 +225,7 @@ def _stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]
                          f"{err}, so it is not a gradnorm checkpoint and may be malicious; {ADVICE}") from None
     except Exception as err:  # EOFError, "invalid load key"...: not a refusal, broken bytes
         raise ValueError(f"checkpoint {path} is truncated or corrupt ({dist_state.METADATA_FILE}: "
-                         f"{type(err).__name__}: {_first_line(err)}); {ADVICE}") from None
+                         f"{type(err).__name__}: {first_line(err)}); {ADVICE}") from None
     stored = dist_state.stored_tensors(metadata)
     if "rng.rank0.torch" not in stored:
         raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (no RNG states); {ADVICE}")
@@ -258,11 +259,7 @@ def _load_error(path: Path, err: BaseException) -> ValueError:
         # never repeat torch's message, which suggests weights_only=False
         return ValueError(f"checkpoint {path} is refused by the safe unpickler (weights_only=True): {what}, so it "
                           f"is not a gradnorm checkpoint and may be malicious; {ADVICE}")
-    return ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {_first_line(err)}); {ADVICE}")
-
-
-def _first_line(err: BaseException, limit: int = 160) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:limit]
+    return ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {first_line(err)}); {ADVICE}")
 
 
 # ------------------------------------------------------------------ RNG states, as tensors

@@ -17,7 +17,7 @@ The trainer's configuration: one dataclass, a docstring under every field, the C
 ``python gradnorm/train.py --help`` prints each field's docstring, so this file is the reference
 for every flag (``--grad-accum-steps`` is the field ``grad_accum_steps``). ``validate`` turns a bad
 value into a one-line ``ValueError`` before any model is built: every numeric field has one rule
-in ``flagrules.BOUNDS`` (finite, in a documented range that ``--help`` prints), and ``flagrules.CHANGEABLE_ON_RESUME``
+in ``BOUNDS`` (finite, in a documented range that ``--help`` prints), and ``CHANGEABLE_ON_RESUME``
 lists the flags a ``--resume`` may change; every other flag defines the run and must match the
 ``config.json`` of the run it continues (``gradnorm.trainer.run.compare_resumed``).
 """

@@ -101,6 +101,7 @@ import importlib.util
 import json
 import re
 import tempfile
+from gradnorm.core.errors import first_line  # also what main() reports a failed join with
 from gradnorm.tasks.prompts import load_prompts
 from gradnorm.tasks.rewards import get_reward
 from gradnorm.trainer.config import TrainConfig
@@ -154,7 +155,7 @@ def explain(err: BaseException, device: torch.device, step: int | None) -> str:
     """The message of an error that stopped a run at ``step`` (None: before the first step)."""
     where = "" if step is None else f"step {step}: "
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        first = first_line(err, 160)
         return f"{where}out of memory on {device} ({first}); {MEMORY_ADVICE}; the checkpoints written so far are intact"
     return where + str(err)
 
@@ -343,7 +344,7 @@ def check_prompts(path: str) -> None:
     try:
         load_prompts(path)
     except (OSError, ValueError) as err:  # missing, a directory, unreadable, not UTF-8, not JSONL
-        raise ValueError(f"--prompts: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"--prompts: {first_line(err)}") from None
 
 
 # A Hub model id: name, or org/name (letters, digits, - _ .).

@@ -31,7 +31,7 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradnorm.dist import comm, wrap
 from gradnorm.core.grpo import group_advantages

@@ -44,7 +44,7 @@ Rules (rank 0 alone writes; every rank takes the same read-only decisions):
   checkpoint) unless --overwrite is given.
 - --overwrite deletes nothing up front: the old run's files and checkpoint directories (torn
   ``.ckpt_step*.tmp`` ones included) move to ``previous_run/`` and are deleted only once the new run
-  has a complete checkpoint (``checkpointing.latest_checkpoint``: a renamed ``ckpt_step{N}/``, never
+  has a complete checkpoint (``checkpoints.latest_checkpoint``: a renamed ``ckpt_step{N}/``, never
   a ``.tmp``), at its end or at the next start. If the new run stops before that, its partial files
   go and the old run moves back; after a crash that left no chance to do so (SIGKILL, perhaps
   mid-save), the next start refuses with the way out.
@@ -83,8 +83,6 @@ from gradnorm.trainer.config import changeable_on_resume
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.outpaths import FINAL, is_export
 import re
-from gradnorm.core.sharding import tokens_per_rank
-from typing import Any
 from gradnorm.trainer.curves import read_metrics, write_learning_curve
 
 
@@ -389,7 +387,7 @@ def resume_point(cfg: TrainConfig) -> Path | None:
     """The checkpoint --resume continues from, once the run it continues is known to match.
 
     One-line ValueErrors: no checkpoint; a flag that defines the run differs from config.json
-    (``rundir.compare_resumed``); --steps not beyond the checkpoint's step.
+    (``compare_resumed``); --steps not beyond the checkpoint's step.
     """
     if not cfg.resume:
         return None
