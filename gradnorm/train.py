@@ -155,8 +155,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
                                            temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
             timer.lap("rollout")
             with torch.no_grad(), autocast():  # log-probs of the sampling policy, needed once samples are reused
-                old_logp = steps.score(policy, model, rollout) if U > 1 else None
-                ref_logp = steps.score(policy, ref, rollout) if ref is not None else None
+                old_logp = steps.score(policy, model, rollout, cfg.pack) if U > 1 else None
+                ref_logp = steps.score(policy, ref, rollout, cfg.pack) if ref is not None else None
             timer.lap("scoring")
         k = j % cfg.minibatches_per_rollout  # which minibatch of the rollout batch this step trains on
         rows = slice(k * cfg.sequences_per_step, (k + 1) * cfg.sequences_per_step)
@@ -184,7 +184,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         # 5. Log (rank 0) and checkpoint.
         now = timer.last  # the step ends at its last lap, so its phase times add up to its wall time
-        line = steps.record(step, stats, grad_norm, batch, plan, state.skipped)
+        line = steps.record(step, stats, grad_norm, batch, plan, state.skipped, cfg)
         line.update(tokens_per_second=stats.tokens / max(now - t_prev, 1e-9), elapsed_s=elapsed0 + now - t0,
                     **runfiles.timing_fields(ctx.device))
         line.update(timer.split(comm.all_reduce_max))  # rank 0's laps, and the max over ranks (a tiny all-reduce)

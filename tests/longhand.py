@@ -7,7 +7,8 @@ gradnorm. Every token of sequence i gets the same weight w_i in J = sum_i w_i su
     sequence   1 / (S_tok * |o_i|)     S_tok: sequences with at least one token
     group      1 / (N_groups * N_g(i))       N_g: tokens of prompt group g; N_groups: groups with a token
     C          1 / C                   a constant (Dr GRPO: C = S * max_new_tokens, S every sequence)
-    local      1 / (W * A * N[r, m])   N[r, m]: tokens of the microbatch that holds sequence i
+    local      1 / (W * A_r * N[r, m]) N[r, m]: tokens of the microbatch that holds sequence i;
+                                       A_r: microbatches of its rank (a token budget makes them differ)
 
 A sequence with no tokens has nothing to weight; it gets 0.
 """
@@ -29,9 +30,10 @@ def longhand_weights(denominator, lengths: list[int], groups: list[int], plan) -
         active = sum(1 for tokens in group_tokens.values() if tokens > 0)
         return [1.0 / (active * group_tokens[g]) if length else 0.0 for length, g in zip(lengths, groups)]
     if denominator == "local":
-        world_size, accum_steps = len(plan), len(plan[0])
+        world_size = len(plan)
         weights = [0.0] * n
         for rank in plan:
+            accum_steps = len(rank)
             for mb in rank:
                 members = [int(i) for i in mb]
                 mb_tokens = sum(lengths[i] for i in members)

@@ -53,4 +53,6 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="exactly once"):
         validate_plan([[torch.tensor([0, 0])]], 2)
     with pytest.raises(ValueError, match="same number of microbatches"):
-        validate_plan([[torch.tensor([0])], [torch.tensor([1]), torch.tensor([], dtype=torch.long)]], 2)
+        validate_plan([[torch.tensor([0])], [torch.tensor([1]), torch.tensor([], dtype=torch.long)]], 2,
+                      equal_microbatches=True)
+    validate_plan([[torch.tensor([0])], [torch.tensor([1]), torch.tensor([], dtype=torch.long)]], 2)  # a budget's

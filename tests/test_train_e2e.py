@@ -40,6 +40,8 @@ TINY = ["--prompts-per-step", "4", "--group-size", "4", "--warmup-steps", "20", 
         "--no-plot", "--seed", "3"]
 CONSTANT = "320"  # Dr GRPO's C = S * max_new_tokens = 16 * 20
 REFERENCE_MODES = ["token", "sequence", "group", CONSTANT, "local"]
+BUDGET = "80"  # tokens per microbatch: prompt 5 + responses of up to 20; ranks hold different counts
+PACKED = ["--pack", "--microbatch-tokens", BUDGET, "--shard", "length"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -75,10 +77,14 @@ def runs(tmp_path_factory):
     torchrun(2, base / "replicated", "--steps", "1", "--grad-accum-steps", "2", "--shard", "balanced",
              "--rollouts", "replicated")
     found["token", 2, 2, "balanced", "replicated"] = metrics(base / "replicated")[0]
-    # token, (2,2), sorted by length: 4 uninterrupted steps, which also serve the resume test.
+    # local under a token budget: ranks sorted by length hold different numbers of microbatches.
+    torchrun(2, base / "local-budget", "--steps", "1", "--loss-denominator", "local", *PACKED[1:])
+    found["local", 2, "budget", "length"] = metrics(base / "local-budget")[0]
+    # token, 2 ranks sorted by length, packed rows in microbatches of at most BUDGET tokens: 4
+    # uninterrupted steps, which also serve the resume test.
     full = base / "full"
-    torchrun(2, full, "--steps", "4", "--save-every", "2", "--grad-accum-steps", "2", "--shard", "length")
-    found["token", 2, 2, "length"] = metrics(full)[0]
+    torchrun(2, full, "--steps", "4", "--save-every", "2", *PACKED)
+    found["token", 2, "budget", "length", "pack"] = metrics(full)[0]
     return found, base
 
 
@@ -96,7 +102,7 @@ def test_token_grad_norm_is_invariant_to_world_size_accumulation_and_sharding(ru
     reference = found["token", 1, 1, "interleave"]
     token_runs = {key: m for key, m in found.items() if key[0] == "token"}
     assert {key[1:] for key in token_runs} >= {(1, 1, "interleave"), (1, 4, "contiguous"), (2, 1, "interleave"),
-                                               (2, 1, "contiguous"), (2, 2, "length"), (2, 2, "balanced")}
+                                               (2, 1, "contiguous"), (2, 2, "balanced"), (2, "budget", "length", "pack")}
     for key, m in token_runs.items():
         assert_close(m["grad_norm"], reference["grad_norm"], rtol=1e-5, atol=0, msg=f"{key}")
         assert_close(m["loss"], reference["loss"], rtol=1e-5, atol=1e-7, msg=f"{key}")
@@ -122,10 +128,22 @@ def test_local_differs_when_ranks_hold_ragged_token_counts(runs):
     assert_close(single["grad_norm"], found["token", 1, 1, "interleave"]["grad_norm"], rtol=1e-6, atol=0)
 
 
+def test_local_under_a_budget_is_the_legacy_dynamic_batch_mean(runs):
+    """The control of the packed, budgeted run: the same rollout, local's per-rank microbatch counts."""
+    found, _ = runs
+    budget = found["local", 2, "budget", "length"]
+    assert budget["mb_tokens_min"] < budget["mb_tokens_max"]  # the budget cut microbatches of unequal tokens
+    relative = abs(budget["grad_norm"] - found["token", 1, 1, "interleave"]["grad_norm"]) / budget["grad_norm"]
+    assert relative > 0.05
+    # every line says what local would have done: token's step carries the same skew it shows here
+    assert budget["skew_max"] > 1.5 and found["token", 2, "budget", "length", "pack"]["skew_max"] > 1.5
+
+
 def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(runs):
+    """A packed run with a token budget, interrupted after step 3's line and resumed."""
     _, base = runs
     full, resumed = base / "full", base / "resumed"
-    flags = ["--save-every", "2", "--grad-accum-steps", "2", "--shard", "length"]
+    flags = ["--save-every", "2", *PACKED]
     torchrun(2, resumed, "--steps", "3", *flags)
     # A crash after step 3 was logged but before its checkpoint: --resume must drop that line.
     shutil.rmtree(resumed / "ckpt_step3")

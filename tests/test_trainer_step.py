@@ -1,10 +1,11 @@
 """The trainer's own step code against a full-batch oracle whose weights are written out longhand.
 
 One optimizer step of the real trainer path: TinyGPT, a rollout sampled by ``generate_rollout``
-(ragged response lengths), a plan from ``make_plan``, the count all-reduce
-``comm.global_counts``, the wrapper ``policy.wrap_for_training`` and ``update.accumulate_gradients``
-with the trainer's per-token loss (clipped surrogate with clip-higher plus beta * k3 KL; the
-old and reference log-probs are perturbed so that the clip and the KL both matter). W = 1 is the
+(ragged response lengths), the plan (``step.plan_for``: a fixed count of microbatches, or a token
+budget that gives the two ranks 1 and 3 microbatches), the count all-reduce (``step.counts_for``),
+the wrapper ``policy.wrap_for_training`` and ``step.backward`` with the trainer's per-token loss
+(clipped surrogate with clip-higher plus beta * k3 KL; the old and reference log-probs are
+perturbed so that the clip and the KL both matter), padded or packed (``--pack``). W = 1 is the
 plain ``python`` path in this process (no process group, no wrapper); W = 2 is two spawned gloo
 ranks under DDP and under FSDP2.
 
@@ -15,6 +16,8 @@ gradient equals the oracle's to fp32 rounding in every mode, for every (W, A, sh
 control: ``local`` under length sharding is far from the token oracle (and on its own formula).
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -22,6 +25,8 @@ from torch.testing import assert_close
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
 from gradnorm.core.grpo import grpo_token_losses
+from gradnorm.trainer import step as steps
+from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.policy import TinyGPTPolicy, wrap_for_training
 from gradnorm.trainer.rollout import generate_rollout
 from gradnorm.core.sharding import make_plan
@@ -32,8 +37,11 @@ from longhand import longhand_weights  # tests/longhand.py
 
 BETA, CONSTANT = 0.04, 333.0
 MODES = ["token", "sequence", "group", CONSTANT, "local"]
-SPLITS = [(1, "interleave"), (2, "length"), (2, "balanced")]  # (A, sharding)
-CASES = [(mode, a, shard) for mode in MODES for a, shard in SPLITS]
+BUDGET = 78  # tokens: under length sharding on 2 ranks, rank 0 holds 1 microbatch and rank 1 holds 3
+# (A, sharding, --microbatch-tokens, --pack); test_the_budget_gives_the_ranks_1_and_3_microbatches
+SPLITS = [(1, "interleave", 0, False), (2, "length", 0, False), (2, "balanced", 0, False),
+          (1, "length", BUDGET, False), (2, "length", 0, True), (1, "length", BUDGET, True)]
+CASES = [(mode, *split) for mode in MODES for split in SPLITS]
 
 
 def make_batch(dtype=torch.float32):
@@ -41,7 +49,9 @@ def make_batch(dtype=torch.float32):
     task = RepeatTask(max_new_tokens=20)
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, n_layer=1, n_head=2, n_embd=32))
-    rollout = generate_rollout(TinyGPTPolicy(model), task, num_prompts=4, group_size=4, seed=0, step=1, temperature=1.0)
+    # seed 6: lengths from 2 to 20 (test_the_rollout_is_ragged_enough_to_matter), and a budget of 78
+    # tokens that gives the two ranks 1 and 3 microbatches (test_the_budget_gives_the_ranks_1_and_3_...)
+    rollout = generate_rollout(TinyGPTPolicy(model), task, num_prompts=4, group_size=4, seed=6, step=1, temperature=1.0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         logp = response_logprobs(model, rollout.tokens, rollout.prompt_len)[0].double()
@@ -51,8 +61,13 @@ def make_batch(dtype=torch.float32):
     return model.to(dtype), rollout, old_logp.to(dtype), ref_logp.to(dtype)
 
 
+def config(denominator, accum_steps, shard, budget, pack) -> TrainConfig:
+    return TrainConfig(loss_denominator=str(denominator), grad_accum_steps=accum_steps, shard=shard,
+                       microbatch_tokens=budget, pack=pack, beta=BETA, clip_low=0.2, clip_high=0.28)
+
+
 def per_token_loss(model, rollout, old_logp, ref_logp, idx):
-    """What the trainer's ``token_losses`` closure computes for the sequences ``idx``."""
+    """What the trainer's ``step.token_losses`` computes for the sequences ``idx`` (the oracle's)."""
     logp, entropy = response_logprobs(model, rollout.tokens[idx], rollout.prompt_len)
     return grpo_token_losses(logp, old_logp[idx], rollout.advantages[idx].to(logp.dtype), ref_logp=ref_logp[idx],
                              beta=BETA, clip_low=0.2, clip_high=0.28, kl_estimator="k3", entropy=entropy.detach())
@@ -61,14 +76,16 @@ def per_token_loss(model, rollout, old_logp, ref_logp, idx):
 def trainer_gradients(ctx: comm.DistContext, parallel: str) -> torch.Tensor:
     """(len(CASES), P): this rank's reduced flat gradient of one trainer step per case."""
     model, rollout, old_logp, ref_logp = make_batch()
-    dp_model = wrap_for_training(TinyGPTPolicy(model), parallel, ctx)
+    policy = TinyGPTPolicy(model)
+    dp_model = wrap_for_training(policy, parallel, ctx)
+    batch = steps.Minibatch(rollout=rollout, old_logp=old_logp, ref_logp=ref_logp, rollout_digest=rollout.digest())
     grads = []
-    for denominator, accum_steps, shard in CASES:
-        plan = make_plan(shard, rollout.lengths, ctx.world_size, accum_steps)
+    for case in CASES:
+        cfg = config(*case)
+        plan = steps.plan_for(batch, cfg, ctx.world_size)
         model.zero_grad(set_to_none=True)
-        counts = comm.global_counts(plan[ctx.rank], rollout.lengths, rollout.group_ids, rollout.num_groups, denominator)
-        accumulate_gradients(dp_model, plan[ctx.rank], rollout.mask, rollout.group_ids, counts, denominator,
-                             lambda idx: per_token_loss(dp_model, rollout, old_logp, ref_logp, idx), ctx.world_size)
+        counts = steps.counts_for(batch, plan, cfg, ctx.rank)
+        steps.backward(policy, dp_model, batch, plan, counts, cfg, ctx, contextlib.nullcontext)
         grads.append(wrap.flat_grad(model))
     return torch.stack(grads)
 
@@ -81,11 +98,12 @@ def spawned_ranks(ctx: comm.DistContext) -> dict:
 # ------------------------------------------------------------------ the longhand oracle
 
 
-def oracle_gradient(denominator, world_size, accum_steps, shard) -> torch.Tensor:
-    """dJ/dtheta, J = sum_i w_i sum_t l[i, t] M[i, t] over the whole batch at once, in float64."""
+def oracle_gradient(denominator, world_size, accum_steps, shard, budget=0, pack=False) -> torch.Tensor:
+    """dJ/dtheta, J = sum_i w_i sum_t l[i, t] M[i, t] over the whole batch at once, in float64, padded."""
     model, rollout, old_logp, ref_logp = make_batch(torch.float64)
     lengths, groups = rollout.lengths.tolist(), rollout.group_ids.tolist()
-    plan = make_plan(shard, rollout.lengths, world_size, accum_steps)
+    plan = steps.plan_for(steps.Minibatch(rollout, None, None, ""), config(denominator, accum_steps, shard, budget, pack),
+                          world_size)  # only local reads it
     w = torch.tensor(longhand_weights(denominator, lengths, groups, plan), dtype=torch.float64)
     loss = per_token_loss(model, rollout, old_logp, ref_logp, torch.arange(len(lengths))).loss
     objective = (w.unsqueeze(-1) * torch.where(rollout.mask, loss, 0.0)).sum()
@@ -129,21 +147,40 @@ def test_the_rollout_is_ragged_enough_to_matter():
     assert terms.clipped[rollout.mask].any() and (terms.kl[rollout.mask].abs() > 0).any()
 
 
+def test_the_budget_gives_the_ranks_1_and_3_microbatches():
+    _, rollout, _, _ = make_batch()
+    plan = steps.plan_for(steps.Minibatch(rollout, None, None, ""), config("token", 1, "length", BUDGET, False), 2)
+    assert [len(rank) for rank in plan] == [1, 3]
+    assert max(int((rollout.lengths[mb] + rollout.prompt_len).sum()) for rank in plan for mb in rank) <= BUDGET
+
+
 def test_one_process_matches_the_longhand_oracle(single):
-    for k, (denominator, accum_steps, shard) in enumerate(CASES):
-        expected = oracle_gradient(denominator, 1, accum_steps, shard)
+    for k, case in enumerate(CASES):
+        expected = oracle_gradient(*case[:1], 1, *case[1:])
         assert_fp32_close(single[k], expected, f"W=1 {CASES[k]}")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_match_the_longhand_oracle(two_ranks, parallel):
-    for k, (denominator, accum_steps, shard) in enumerate(CASES):
-        expected = oracle_gradient(denominator, 2, accum_steps, shard)
+    for k, case in enumerate(CASES):
+        expected = oracle_gradient(*case[:1], 2, *case[1:])
         assert_fp32_close(two_ranks[parallel][k], expected, f"W=2 {parallel} {CASES[k]}")
 
 
+def test_the_control_local_under_a_budget_differs_from_the_padded_fixed_count_step(two_ranks):
+    # local under the budget divides by each rank's own count (1 and 3): far from the token oracle
+    # and from local with two equal microbatches per rank, while token is the same under both
+    budget, fixed = CASES.index(("local", 1, "length", BUDGET, False)), CASES.index(("local", 2, "length", 0, False))
+    for parallel in ("ddp", "fsdp"):
+        got = two_ranks[parallel][budget]
+        assert (got - two_ranks[parallel][fixed]).norm() / got.norm() > 0.01
+        assert (got - oracle_gradient("token", 2, 1, "length", BUDGET)).norm() / got.norm() > 0.01
+    token_budget, token_fixed = CASES.index(("token", 1, "length", BUDGET, True)), CASES.index(("token", 2, "length", 0, False))
+    assert_fp32_close(two_ranks["ddp"][token_budget], two_ranks["ddp"][token_fixed], "token: packed budget vs padded A=2")
+
+
 def test_the_control_local_under_length_sharding_is_far_from_the_token_oracle(two_ranks, single):
-    k = CASES.index(("local", 2, "length"))
+    k = CASES.index(("local", 2, "length", 0, False))
     token_oracle = oracle_gradient("token", 2, 2, "length")
     for got in (two_ranks["ddp"][k], single[k]):
         with pytest.raises(AssertionError):

@@ -50,22 +50,31 @@ def accumulate_gradients(
     denominator: Denominator,
     token_losses: Callable[[Tensor], TokenLosses],
     world_size: int,
+    num_passes: int | None = None,
 ) -> Tensor:
     """Backpropagate this rank's microbatches; return its local statistic sums (NUM_STATS,) float64.
 
     ``microbatches[m]`` indexes this rank's sequences in ``mask`` (S, T) and ``group_ids`` (S,);
     ``counts`` are the global counts (None for ``local`` and a constant); ``token_losses(idx)``
-    runs the forward pass for those sequences. Every rank must call this with the same number of
-    microbatches, even when it holds no tokens.
+    runs the forward pass for those sequences. Every rank must run the same number of passes,
+    even when it holds no tokens: ``num_passes`` (default: its own count) is the most microbatches
+    any rank holds (``sharding.passes``). A rank with fewer first runs idle passes: one row of the
+    minibatch with an all-False mask, so its weight and its gradient are exactly zero while the
+    forward and backward still touch every parameter (FSDP2 gathers, DDP's hooks fire). ``local``
+    divides by the rank's own microbatch count, as trainers with a token budget did.
     """
-    accum_steps = len(microbatches)
+    accum_steps = len(microbatches)  # A of this rank: what `local` divides by
+    num_passes = accum_steps if num_passes is None else num_passes
+    if num_passes < accum_steps:
+        raise ValueError(f"num_passes={num_passes} is fewer than this rank's {accum_steps} microbatches")
+    filler = microbatches[0][:1] if accum_steps and len(microbatches[0]) else torch.zeros(1, dtype=torch.long)
+    idle = [(filler, torch.zeros_like(mask[filler]))] * (num_passes - accum_steps)  # zero weight, same graph
     sums = torch.zeros(NUM_STATS, dtype=torch.float64, device=mask.device)
-    for m, mb in enumerate(microbatches):
-        mb_mask = mask[mb]
-        with _no_sync(model, last=m == accum_steps - 1):
+    for m, (mb, mb_mask) in enumerate(idle + [(mb, mask[mb]) for mb in microbatches]):
+        with _no_sync(model, last=m == num_passes - 1):
             terms = token_losses(mb)
             loss, w = microbatch_loss(terms.loss, mb_mask, group_ids[mb], denominator, counts,
-                                      world_size=world_size, accum_steps=accum_steps)
+                                      world_size=world_size, accum_steps=max(accum_steps, 1))
             loss.backward()
         sums += stat_sums(w, mb_mask, terms)
     return sums

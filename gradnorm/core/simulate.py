@@ -37,17 +37,18 @@ def effective_weights(
     """(S, T): the weight each token ends up with in the averaged gradient, under ``plan``.
 
     A rank scales its loss by W * w and DDP divides by W, so the effective weight is w itself.
-    Summing it over the tokens of rank r gives r's share of the update.
+    Summing it over the tokens of rank r gives r's share of the update. Ranks may hold different
+    numbers of microbatches (a token budget); ``local`` then divides by each rank's own count.
     """
     validate_plan(plan, len(mask))
-    world_size, accum_steps = len(plan), len(plan[0])
+    world_size = len(plan)
     lengths = mask.sum(-1)
     counts = simulated_counts(plan, lengths, group_ids, num_groups) if needs_global_counts(denominator) else None
     out = torch.zeros(mask.shape, dtype=dtype)
     for rank in plan:
-        for mb in rank:
+        for mb in rank:  # A is this rank's own count: only `local` reads it (a budget makes it differ)
             out[mb] = token_weights(
-                mask[mb], group_ids[mb], denominator, counts, world_size=world_size, accum_steps=accum_steps, dtype=dtype
+                mask[mb], group_ids[mb], denominator, counts, world_size=world_size, accum_steps=len(rank), dtype=dtype
             )
     return out
 
@@ -67,7 +68,7 @@ def simulated_gradient(
     the response mask of the whole minibatch.
     """
     validate_plan(plan, len(mask))
-    world_size, accum_steps = len(plan), len(plan[0])
+    world_size = len(plan)
     lengths = mask.sum(-1)
     counts = simulated_counts(plan, lengths, group_ids, num_groups) if needs_global_counts(denominator) else None
     params = list(params)
@@ -76,7 +77,7 @@ def simulated_gradient(
         rank_grad = [torch.zeros_like(p) for p in params]
         for mb in rank:  # gradient accumulation: microbatch gradients add up
             loss, _ = microbatch_loss(per_token_loss(mb), mask[mb], group_ids[mb], denominator, counts,
-                                      world_size=world_size, accum_steps=accum_steps)
+                                      world_size=world_size, accum_steps=len(rank))
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             for acc, g in zip(rank_grad, grads):
                 if g is not None:

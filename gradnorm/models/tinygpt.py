@@ -78,13 +78,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None, layer: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
         # (B, T, C) -> (B, H, T, D)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
 
-        if kv_cache is None:
+        if attn_mask is not None:  # packed rows: causal within each sequence, nothing across
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        elif kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             start = kv_cache.pos
@@ -121,8 +124,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, layer)
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None, layer: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, layer, attn_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -161,7 +165,8 @@ class TinyGPT(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, device=p.device, dtype=p.dtype)
 
-    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None, logits_to_keep: int = 0,
+                position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) for token ids idx (B, T); only the last ``logits_to_keep`` positions if > 0.
 
         Without a cache, this is the full causal pass over positions 0 .. T-1. With a cache, idx
@@ -169,15 +174,28 @@ class TinyGPT(nn.Module):
         values are appended to the cache, and the logits are those the full pass would give at
         these positions (to float rounding). ``logits_to_keep`` (as in Hugging Face models) runs
         the final LayerNorm and the head on the positions the caller scores, not on the prompt's.
+
+        Packed rows: ``position_ids`` (B, T) restart at 0 at every sequence of a row, and
+        ``segment_ids`` (B, T) number the sequences; a query then sees only the keys of its own
+        sequence at or before it, so each sequence's logits are those it gets alone.
         """
         B, T = idx.shape
         start = 0 if kv_cache is None else kv_cache.pos
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        if position_ids is None:
+            if start + T > self.config.block_size:
+                raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}")
+            pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        else:
+            if int(position_ids.max()) >= self.config.block_size:
+                raise ValueError(f"a packed sequence exceeds block_size {self.config.block_size}")
+            pos = position_ids  # (B, T)
+        attn_mask = None
+        if segment_ids is not None:
+            same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)  # (B, T, T) query, key
+            attn_mask = (same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()).unsqueeze(1)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for layer, block in enumerate(self.blocks):
-            x = block(x, kv_cache, layer)
+            x = block(x, kv_cache, layer, attn_mask)
         if kv_cache is not None:
             kv_cache.advance(T)
         if logits_to_keep > 0:

@@ -37,7 +37,8 @@ from typing import Literal, get_args, get_origin, get_type_hints
 import torch
 from gradnorm.core.denominators import Denominator, parse_denominator
 from gradnorm.dist.wrap import ParallelKind
-from gradnorm.core.sharding import ShardKind, check_divisible
+from gradnorm.core.sharding import BUDGET_KINDS, ShardKind, check_divisible
+from gradnorm.tasks import RepeatTask
 
 
 # ------------------------------------------------------------------ flagrules: The rules of the trainer's flags: what each numeric flag may hold, and what a --resume may change.
@@ -64,6 +65,7 @@ class Range:
 # turn the loss into inf or NaN), a seed no longer fits the 64-bit generators, or a count is absurd.
 BOUNDS: dict[str, Range] = {
     "grad_accum_steps": Range(1, 4096),
+    "microbatch_tokens": Range(0, 2**31),
     "steps": Range(1, 10**9),
     "prompts_per_step": Range(1, 10**7),
     "group_size": Range(2, 4096),
@@ -132,6 +134,18 @@ class TrainConfig:
     """How a minibatch's sequences are split over ranks and microbatches. length sorts by response
     length first, so low ranks get the short responses (maximal imbalance); balanced packs by tokens.
     Changeable on --resume, except under --loss-denominator local."""
+    microbatch_tokens: int = 0
+    """B: cut each rank's share into microbatches of at most B tokens instead of --grad-accum-steps
+    equal ones (0: off). A sequence costs its prompt and response tokens, what a forward pass
+    computes; ranks then hold different numbers of sequences and of microbatches, the minibatch need
+    not divide by W, and a rank with fewer microbatches runs idle passes of zero weight so that every
+    rank runs as many forward and backward passes. Needs --shard interleave, contiguous or length,
+    --grad-accum-steps 1 and B >= prompt + max-new-tokens. Under local, each microbatch's mean is
+    divided by its rank's own microbatch count (what trainers with dynamic batch sizes did)."""
+    pack: bool = False
+    """Padding-free microbatches: a microbatch's sequences are concatenated into one row, positions
+    restart at every sequence and attention never crosses a sequence boundary. The log-probs equal
+    the padded ones to fp32 rounding; the forward skips the padding."""
 
     # ---- batch and schedule
     steps: int = 300
@@ -266,6 +280,11 @@ class TrainConfig:
         return self.prompts_per_step * self.group_size
 
     @property
+    def longest_sequence(self) -> int:
+        """Derived, built-in task only: prompt + max-new-tokens, the most tokens one sequence holds."""
+        return RepeatTask(max_new_tokens=self.max_new_tokens).block_size
+
+    @property
     def updates_per_rollout(self) -> int:
         """Derived: optimizer steps taken on each rollout batch (minibatches * epochs)."""
         return self.minibatches_per_rollout * self.epochs
@@ -326,7 +345,19 @@ class TrainConfig:
             raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one of them")
         if self.builtin and self.export_hf not in ("auto", "none"):
             raise ValueError("--export-hf needs a Hugging Face --model; the built-in tiny model is not one")
-        check_divisible(self.sequences_per_step, world_size, self.grad_accum_steps)
+        if self.microbatch_tokens:
+            if self.shard not in BUDGET_KINDS:
+                raise ValueError(f"--microbatch-tokens {self.microbatch_tokens} cuts microbatches by tokens, and --shard "
+                                 f"{self.shard} fixes W x A bins of its own: use --shard {' or '.join(BUDGET_KINDS)}")
+            if self.grad_accum_steps != 1:
+                raise ValueError(f"--microbatch-tokens {self.microbatch_tokens} decides how many microbatches a rank "
+                                 f"runs; --grad-accum-steps {self.grad_accum_steps} would fix it too: leave it at 1")
+            if self.builtin and self.microbatch_tokens < self.longest_sequence:
+                raise ValueError(f"--microbatch-tokens {self.microbatch_tokens} is smaller than the longest sequence: "
+                                 f"a {self.longest_sequence}-token prompt + response (prompt "
+                                 f"{self.longest_sequence - self.max_new_tokens} + --max-new-tokens {self.max_new_tokens})")
+        else:
+            check_divisible(self.sequences_per_step, world_size, self.grad_accum_steps)
         k = self.updates_per_rollout
         if self.steps % k or self.save_every % k:
             raise ValueError(f"--steps ({self.steps}) and --save-every ({self.save_every}) must be multiples of "

@@ -12,6 +12,10 @@ kind of model it holds:
                                                   fp32; ``module`` is the wrapper the forward goes
                                                   through (DDP, FSDP2) or the model itself
     policy.blocks()                               the repeated blocks FSDP2 shards one by one
+    policy.packed_logits(module, rows)            (r, C, V) logits of packed rows (``PackedRows``):
+                                                  positions restart and attention stays inside
+                                                  each sequence, so each gets the logits it gets alone
+    policy.pad_id                                 the id that left-pads prompts (None: they are not)
 
 ``TinyGPTPolicy`` adapts the built-in model (``gradnorm.models.tinygpt``), ``HFPolicy`` a Hugging
 Face causal LM (``gradnorm.models.hf``); ``build_policy`` makes the one a config asks for, with its
@@ -60,6 +64,10 @@ class Policy(Protocol):
 
     def blocks(self) -> list[nn.Module]: ...
 
+    def packed_logits(self, module: nn.Module, rows: PackedRows) -> Tensor: ...
+
+    pad_id: int | None
+
 
 @dataclass
 class TinyGPTPolicy:
@@ -76,6 +84,11 @@ class TinyGPTPolicy:
 
     def blocks(self):
         return list(self.model.blocks)
+
+    def packed_logits(self, module, rows):
+        return module(rows.tokens, position_ids=rows.position_ids, segment_ids=rows.segment_ids)
+
+    pad_id = None  # the built-in prompts all have the same length: no left padding
 
 
 @dataclass
@@ -97,6 +110,15 @@ class HFPolicy:
         # transformers names its repeated block classes in _no_split_modules (LlamaDecoderLayer...)
         names = set(getattr(self.model, "_no_split_modules", None) or ())
         return [m for m in self.model.modules() if type(m).__name__ in names]
+
+    def packed_logits(self, module, rows):
+        # No attention mask: transformers finds the sequences of a row where position_ids restart
+        # and builds the block-diagonal causal mask from them (sdpa on CPU, flash attention on GPU).
+        return module(input_ids=rows.tokens, position_ids=rows.position_ids, use_cache=False).logits
+
+    @property
+    def pad_id(self):
+        return self.model.config.pad_token_id
 
 
 def build_policy(cfg: TrainConfig, device: torch.device) -> tuple[Task, Policy]:
@@ -148,6 +170,112 @@ def length_chunks(lengths: Tensor, prompt_len: int, max_chunks: int = 4, overhea
     candidates = [torch.arange(len(order)).chunk(k) for k in range(1, max(1, min(max_chunks, len(order))) + 1)]
     best = min(candidates, key=cost)
     return [order[c].to(lengths.device) for c in best if len(c)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed rows: a microbatch without padding.
+# ---------------------------------------------------------------------------------------------
+
+
+ROW_WIDTHS = 4
+"""A packed row holds as many positions as this many rows of the padded batch (``pack``)."""
+
+
+@dataclass
+class PackedRows:
+    """A microbatch's sequences concatenated into r rows of C positions (a few padded rows' width).
+
+    Each sequence is its prompt without left padding, then its response (|o_i| tokens); sequences
+    fill the rows first fit, in order, and the ends of rows are filler (segment -1, never attended
+    to by a sequence and never scored).
+    """
+
+    tokens: Tensor  # (r, C) long
+    position_ids: Tensor  # (r, C) 0, 1, ... restarting at every sequence (0 on filler)
+    segment_ids: Tensor  # (r, C) which sequence of the microbatch a position holds; -1 on filler
+    keep: tuple[Tensor, Tensor]  # (row, col) of the K positions whose logits predict a response token
+    targets: Tensor  # (K,) the response tokens they predict
+    out: tuple[Tensor, Tensor]  # (sequence, response position) of each of the K predictions
+
+    @property
+    def positions(self) -> int:
+        """The positions a forward over these rows computes, r * C."""
+        return self.tokens.numel()
+
+
+def pack(tokens: Tensor, prompt_len: int, lengths: Tensor, pad_id: int | None = None,
+         rows_of: int = ROW_WIDTHS) -> PackedRows:
+    """``tokens`` (n, P + R) of a microbatch, with response lengths ``lengths`` (n,), as packed rows.
+
+    With ``pad_id`` the leading run of it in each prompt is left padding and is dropped. Rows are
+    ``rows_of`` times as wide as the batch (``ROW_WIDTHS``): wider rows leave less filler at their
+    ends, and cost more attention per token (each position attends within its row's mask).
+    """
+    n, width = tokens.shape
+    P, device = prompt_len, tokens.device
+    lengths = lengths.to(device=device, dtype=torch.long)
+    if pad_id is None:
+        starts = torch.zeros(n, dtype=torch.long, device=device)
+    else:  # the left padding of each prompt: its leading run of PAD ids
+        starts = (torch.cumsum(tokens[:, :P] != pad_id, dim=1) == 0).sum(1)
+    spans = P + lengths - starts  # (n,) tokens of each sequence: its real prompt, then its response
+    # as wide as a few padded rows, never wider than the whole microbatch (one row then holds it all)
+    capacity = max(min(rows_of * width, int(spans.sum())), int(spans.max())) if n else 1
+    room, row_of, offset_of = [], [], []  # first fit, in the microbatch's order (cheap: n integers)
+    for span in spans.tolist():
+        row = next((k for k, free in enumerate(room) if free >= span), None)
+        if row is None:
+            row = len(room)
+            room.append(capacity)
+        row_of.append(row)
+        offset_of.append(capacity - room[row])
+        room[row] -= span
+    r = max(len(room), 1)
+    # Every position of every sequence at once: sequence i's j-th token goes to (row_i, offset_i + j).
+    seq = torch.repeat_interleave(torch.arange(n, device=device), spans)  # (L,) which sequence
+    first = torch.cumsum(spans, 0) - spans  # (n,) where each sequence starts in the flat order
+    j = torch.arange(len(seq), device=device) - first[seq]  # (L,) position inside its sequence
+    row = torch.tensor(row_of, dtype=torch.long, device=device)[seq]
+    col = torch.tensor(offset_of, dtype=torch.long, device=device)[seq] + j
+    packed = torch.zeros(r, capacity, dtype=tokens.dtype, device=device)
+    packed[row, col] = tokens[seq, starts[seq] + j]
+    position_ids = torch.zeros(r, capacity, dtype=torch.long, device=device)
+    position_ids[row, col] = j
+    segment_ids = torch.full((r, capacity), -1, dtype=torch.long, device=device)
+    segment_ids[row, col] = seq
+    # Position j of sequence i predicts its token j + 1: a response token when j + 1 >= its prompt.
+    prompt = (P - starts)[seq]  # (L,) the sequence's real prompt length
+    predicts = (j >= prompt - 1) & (j <= spans[seq] - 2)
+    keep = (row[predicts], col[predicts])
+    return PackedRows(tokens=packed, position_ids=position_ids, segment_ids=segment_ids, keep=keep,
+                      targets=packed[keep[0], keep[1] + 1], out=(seq[predicts], (j - prompt + 1)[predicts]))
+
+
+def score_packed(policy: Policy, module: nn.Module, tokens: Tensor, prompt_len: int,
+                 lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """(logp, entropy), each (n, R) as ``score_by_length`` returns them, from one packed forward.
+
+    Inside the response mask the values equal the padded ones to fp32 rounding; outside it they
+    are 0. Differentiable.
+    """
+    n, R = tokens.shape[0], tokens.shape[1] - prompt_len
+    rows = pack(tokens, prompt_len, lengths, policy.pad_id)
+    logits = policy.packed_logits(module, rows)  # (r, C, V)
+    logp, entropy = token_logprobs_and_entropy(logits[rows.keep], rows.targets)  # (K,) each, fp32
+    out_logp = logp.new_zeros(n, R).index_put(rows.out, logp)
+    out_entropy = entropy.new_zeros(n, R).index_put(rows.out, entropy)
+    return out_logp, out_entropy
+
+
+def forward_positions(lengths: Tensor, prompt_len: int, width: int, packed: bool = False, max_chunks: int = 4) -> int:
+    """The token positions the forward of one microbatch computes: each chunk of ``score_by_length``
+    is n rows cut to its longest response, or, packed, the rows ``pack`` fills (``width``: the
+    batch's P + R)."""
+    lengths = lengths.cpu()
+    if packed:
+        return pack(torch.zeros(len(lengths), width, dtype=torch.long), prompt_len, lengths).positions
+    return sum(len(rows) * (prompt_len + max(int(lengths[rows].max()), 1))
+               for rows in length_chunks(lengths, prompt_len, max_chunks))
 
 
 def score_by_length(score: Callable[[nn.Module, Tensor, int], tuple[Tensor, Tensor]], model: nn.Module, tokens: Tensor, prompt_len: int, lengths: Tensor,

@@ -28,11 +28,12 @@ from torch import Tensor, nn
 
 from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.grpo import NUM_STATS, TokenLosses, finalize_stats, grpo_token_losses
-from gradnorm.core.sharding import Plan, make_plan, tokens_per_rank
+from gradnorm.core.sharding import Plan, budget_plan, make_plan, passes, tokens_per_rank
+from gradnorm.core.simulate import effective_weights
 from gradnorm.dist import comm, wrap
 from gradnorm.trainer import guards
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import Policy, score_by_length
+from gradnorm.trainer.policy import Policy, forward_positions, score_by_length, score_packed
 from gradnorm.trainer.rollout import Rollout
 
 
@@ -82,8 +83,11 @@ def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, cfg: Train
     mb, P = batch.rollout, batch.rollout.prompt_len
 
     def forward(idx: Tensor) -> TokenLosses:
-        with autocast():
-            logp, entropy = score_by_length(policy.score, module, mb.tokens[idx], P, mb.lengths[idx])  # fp32
+        with autocast():  # fp32 log-probs either way; --pack runs one padding-free forward
+            if cfg.pack:
+                logp, entropy = score_packed(policy, module, mb.tokens[idx], P, mb.lengths[idx])
+            else:
+                logp, entropy = score_by_length(policy.score, module, mb.tokens[idx], P, mb.lengths[idx])
         return grpo_token_losses(
             logp, logp.detach() if batch.old_logp is None else batch.old_logp[idx], mb.advantages[idx],
             ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
@@ -93,14 +97,24 @@ def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, cfg: Train
     return forward
 
 
-def score(policy: Policy, module: nn.Module, rollout: Rollout) -> Tensor:
+def score(policy: Policy, module: nn.Module, rollout: Rollout, packed: bool = False) -> Tensor:
     """(S, R) log-probs of a whole rollout batch under ``module`` (the sampling policy, the reference)."""
+    if packed:
+        return score_packed(policy, module, rollout.tokens, rollout.prompt_len, rollout.lengths)[0]
     return score_by_length(policy.score, module, rollout.tokens, rollout.prompt_len, rollout.lengths)[0]
 
 
 def plan_for(batch: Minibatch, cfg: TrainConfig, world_size: int) -> Plan:
-    """Step 2: every rank's microbatches of the minibatch (the same plan on every rank)."""
-    return make_plan(cfg.shard, batch.rollout.lengths.cpu(), world_size, cfg.grad_accum_steps)
+    """Step 2: every rank's microbatches of the minibatch (the same plan on every rank).
+
+    A fixed count (--grad-accum-steps), or a token budget (--microbatch-tokens): then ranks hold
+    different numbers of microbatches, and every rank knows them all, since every rank computes
+    the whole plan from the global lengths.
+    """
+    lengths = batch.rollout.lengths.cpu()
+    if cfg.microbatch_tokens:
+        return budget_plan(cfg.shard, lengths, world_size, cfg.microbatch_tokens, batch.rollout.prompt_len)
+    return make_plan(cfg.shard, lengths, world_size, cfg.grad_accum_steps)
 
 
 def counts_for(batch: Minibatch, plan: Plan, cfg: TrainConfig, rank: int):
@@ -114,7 +128,8 @@ def backward(policy: Policy, module: nn.Module, batch: Minibatch, plan: Plan, co
     """Step 3b: every microbatch's weighted backward; this rank's statistic sums (NUM_STATS,) float64."""
     mb = batch.rollout
     return accumulate_gradients(module, plan[ctx.rank], mb.mask, mb.group_ids, counts, cfg.denominator,
-                                token_losses(policy, module, batch, cfg, autocast), ctx.world_size)
+                                token_losses(policy, module, batch, cfg, autocast), ctx.world_size,
+                                num_passes=passes(plan))  # a rank with fewer microbatches runs idle passes
 
 
 def clip(policy: Policy, max_norm: float) -> Tensor:
@@ -155,8 +170,49 @@ def apply_or_skip(opt: torch.optim.Optimizer, grad_norm: Tensor, stats: StepStat
                 f"--max-skipped-steps {max_skipped_steps})", file=sys.stderr)
 
 
-def record(step: int, stats: StepStats, grad_norm: Tensor, batch: Minibatch, plan: Plan, skipped: int) -> dict:
-    """One line of metrics.jsonl, before its timings: global statistics of the step (non-finite as null)."""
+def skew(batch: Minibatch, plan: Plan, cfg: TrainConfig) -> dict:
+    """What the legacy per-microbatch mean would have done to this step's data, and the padding.
+
+    From the plan and the lengths every rank already holds (no collective), the weights of
+    ``local`` and of the run's mode (``token`` when the run is ``local`` itself) for every response
+    token, as the simulation computes them:
+
+        skew_max, skew_min   the largest and smallest w_local / w_mode over the tokens: how much
+                             louder (or quieter) the old averaging makes a token than the run does
+        rank_share_gap       max over ranks of |rank r's share of the update under local - its
+                             share of the tokens N_r / N|: how far the old averaging moves the update
+        mb_tokens_min, _max  the fewest and most response tokens of a microbatch, N[r, m]
+        padding_fraction     positions the forward passes computed that hold no token (padding),
+                             over all the positions they computed (idle passes not counted)
+    """
+    mb = batch.rollout
+    lengths, mask, P = mb.lengths.cpu(), mb.mask.cpu(), mb.prompt_len
+    group_ids = mb.group_ids.cpu()
+    mode = "token" if cfg.denominator == "local" else cfg.denominator
+    legacy = effective_weights(mask, group_ids, mb.num_groups, "local", plan)  # (S, R) float64
+    fixed = effective_weights(mask, group_ids, mb.num_groups, mode, plan)
+    kept = mask & (fixed > 0)
+    ratio = legacy[kept] / fixed[kept]
+    tokens = [[int(lengths[m].sum()) for m in rank] for rank in plan]
+    N = max(sum(map(sum, tokens)), 1)
+    gap = max(abs(float(legacy[rank_rows].sum()) - sum(rank_tokens) / N)
+              for rank_rows, rank_tokens in ((torch.cat(r) if r else torch.zeros(0, dtype=torch.long), n)
+                                             for r, n in zip(plan, tokens)))
+    real = computed = 0
+    for rank in plan:
+        for rows in rank:
+            real += int((lengths[rows] + P).sum())
+            computed += forward_positions(lengths[rows], P, mb.tokens.shape[1], packed=cfg.pack)
+    flat = [n for rank in tokens for n in rank]
+    return {"skew_max": float(ratio.max()) if len(ratio) else 1.0, "skew_min": float(ratio.min()) if len(ratio) else 1.0,
+            "rank_share_gap": gap, "mb_tokens_min": min(flat, default=0), "mb_tokens_max": max(flat, default=0),
+            "padding_fraction": 1.0 - real / max(computed, 1)}
+
+
+def record(step: int, stats: StepStats, grad_norm: Tensor, batch: Minibatch, plan: Plan, skipped: int,
+           cfg: TrainConfig) -> dict:
+    """One line of metrics.jsonl, before its timings: global statistics of the step (non-finite as
+    null), and what the legacy mean would have done to it (``skew``)."""
     mb = batch.rollout
     lengths = mb.lengths.cpu()
     values = {
@@ -165,6 +221,6 @@ def record(step: int, stats: StepStats, grad_norm: Tensor, batch: Minibatch, pla
         "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
         "tokens": stats.tokens, "tokens_per_rank": tokens_per_rank(plan, lengths),
         **{k: v for k, v in stats.logged().items() if k in ("pg_loss", "kl", "clipfrac", "entropy")},
-        "rollout_digest": batch.rollout_digest, "skipped_steps": skipped,
+        "rollout_digest": batch.rollout_digest, "skipped_steps": skipped, **skew(batch, plan, cfg),
     }
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
