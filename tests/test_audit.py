@@ -199,7 +199,9 @@ CATALOGUE_ARGS = ["--world-size", "8", "--accum-steps", "4"]
 EXPECTED_EXIT = {
     "microbatch_token_mean": 1, "sequence_mean_then_batch_mean": 0, "token_sum_over_constant": 0,
     "token_sum_over_global_count": 0, "group_mean_then_mean_of_groups": 0, "microbatch_mean_of_sequence_means": 1,
-}
+    "row_mean_over_packs": 1, "sequence_mean_inside_packs": 0, "context_parallel_chunk_mean": 1,
+    "pipeline_mean_of_token_means": 1, "gspo_sequence_ratio": 0, "cispo_clipped_weight": 0,
+}  # each audited with the flags of its splits (conventions.AXES)
 
 
 def test_packing_by_tokens_is_what_skews_the_mean_of_sequence_means(capsys):
@@ -291,7 +293,8 @@ def command_runs(tmp_path_factory):
     broken = tmp_path_factory.mktemp("losses") / "broken.py"
     broken.write_text(textwrap.dedent(BROKEN))
     cases = {case: [a.format(broken=broken) for a in args] for case, (args, _) in BREAKS.items()}
-    cases |= {name: [f"gradnorm.audit.conventions:{name}", *CATALOGUE_ARGS] for name in EXPECTED_EXIT}
+    cases |= {name: [f"gradnorm.audit.conventions:{name}", *CATALOGUE_ARGS, *conventions.AXES.get(name, ())]
+              for name in EXPECTED_EXIT}
     procs = {
         "driver": _python("-c", DRIVER, json.dumps(cases)),
         "real error": _python("-m", "gradnorm.audit", *cases["raises, from a file path"]),

@@ -10,13 +10,17 @@ nothing to compare), no traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
 from collections.abc import Sequence
 
 import torch
 
+from gradnorm.audit import why
+from gradnorm.audit.masking import COUNT_MASKED
 from gradnorm.audit.probe import COUNTS, MODES, ContractError, Convention, Near, Report, audit, imported_loss
+from gradnorm.audit.splits import CP_LAYOUTS, Splits
 from gradnorm.core.sharding import SHARD_KINDS
 
 
@@ -99,15 +103,16 @@ def explain_factor(near: Near, convention: Convention, tol: float) -> str:
 
 def _equal_counts_clause(report: Report) -> str:
     """Invariant on fixed-size microbatches, skewed only where sequence counts differ: say so, and how to narrow."""
-    even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts))
+    even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts and not r.axes))
     uneven = [r for r in report.results[1:] if not r.equal_counts]
     mode = report.equals_at_equal_counts
     like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
     where = f", where it equals {like}" if mode else ""
     return (f"invariant whenever every microbatch holds the same number of sequences{where}; skewed by up to "
             f"{max(r.change for r in uneven):.1%} when they do not (token-budget microbatches: "
-            f"{' '.join(dict.fromkeys(r.label for r in uneven))}); if your trainer's microbatches hold a fixed "
-            f"number of sequences, audit with --sharding {' '.join(even)}")
+            f"{' '.join(dict.fromkeys(r.label for r in uneven))})"
+            + (f"; if your trainer's microbatches hold a fixed number of sequences, audit with --sharding "
+               f"{' '.join(even)}" if even else ""))
 
 
 def verdict(report: Report) -> str:
@@ -116,21 +121,28 @@ def verdict(report: Report) -> str:
     if report.wrong_sign:
         parts = [f"WRONG SIGN: {WRONG_SIGN} ({report.negative:.1%} of the weight inside the mask is negative)",
                  change]
+    elif report.invariant and not report.leaks and report.masked and report.masked.counts_dropped:
+        parts = [f"MISCOUNTS: {change}"]
     else:
         parts = [f"{'SKEWED' if not report.invariant else 'LEAKS' if report.leaks else 'INVARIANT'}: {change}"]
-    if report.skewed_only_by_unequal_counts:
+    axis_clauses = why.axis_clauses(report)
+    parts += axis_clauses
+    if report.skewed_only_by_unequal_counts and not any(c.startswith(why.BUDGET_LEAD) for c in axis_clauses):
         parts.append(_equal_counts_clause(report))
     if report.leaks:
-        parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask")
+        dropped = " or declared dropped (truncated responses, rejected tokens)" if report.masked else ""
+        parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask{dropped}")
+    if report.masked:
+        parts.append(why.masked_clause(report.masked))
     if report.equals == "constant":
         parts.append(f"equals a constant denominator C = {report.constant:.6g}")
     elif report.equals:
         parts.append(f"equals gradnorm's `{report.equals}`")
-    elif report.near:
+    elif report.near and not axis_clauses:  # an axis clause names the factor better
         mode = report.near.mode
         like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
         parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol)}")
-    elif not report.skewed_only_by_unequal_counts:  # there the clause above already names the mode
+    elif not report.skewed_only_by_unequal_counts and not axis_clauses:  # the clauses above name the mode
         parts.append("equals no gradnorm mode")
     return "; ".join(parts)
 
@@ -140,14 +152,26 @@ def format_report(report: Report) -> str:
     b, conv = report.batch, report.convention
     lengths = b.mask.sum(-1)
     loop = "loss / A" if conv.scale_by_accum else "loss as returned"
+    axes = set().union(*(r.axes for r in report.results))
+    if "cp" in axes:
+        loop += f", context-parallel gradients {conv.cp_reduction}-reduced over each group"
+    if "pipeline" in axes:
+        loop += f", pipeline losses combined by {conv.pipeline_combine}"
+    lengths = b.response.sum(-1)
     lines = [f"audit of {report.name}",
              f"minibatch: {len(lengths)} responses in {b.num_groups} groups of {b.group_size}, "
-             f"{int(lengths.min())} to {int(lengths.max())} tokens (N = {int(lengths.sum())}); "
-             f"backward of {loop}, gradients {conv.reduction}-reduced over ranks",
-             f"{'W':>3} {'A':>3}  {'sharding':<22} {'max change':>10}  loudest rank: update share / token share"]
+             f"{int(lengths.min())} to {int(lengths.max())} tokens (N = {int(b.mask.sum())}); "
+             f"backward of {loop}, gradients {conv.reduction}-reduced over ranks"]
+    if report.masked:
+        m = report.masked
+        lines.append(f"masked tokens: {m.response_tokens} generated, {m.dropped_tokens} of them declared dropped "
+                     f"({m.truncated_tokens} in truncated responses, {m.rejected_tokens} rejected); "
+                     f"the loss should count {b.count_masked}")
+    lines.append(f"{'W':>3} {'A':>3}  {'sharding':<22} {'max change':>10}  loudest rank: update share / token share")
     for r in report.results:
-        k = int(torch.argmax(r.update_share / r.token_share))
-        lines.append(f"{r.world_size:>3} {r.accum_steps:>3}  {r.label:<22} {r.change:>10.1%}  "
+        ratio = torch.where(r.token_share > 0, r.update_share / r.token_share.clamp(min=1e-300), -math.inf)
+        k = int(torch.argmax(ratio))
+        lines.append(f"{r.world_size:>3} {r.accum_label:>3}  {r.label:<22} {r.change:>10.1%}  "
                      f"rank {k}: {r.update_share[k]:.1%} / {r.token_share[k]:.1%}")
     dist = " | ".join(f"{m} {report.distance[m]:.2g}" for m in MODES)
     lines.append(f"distance to each mode: {dist} (C = {report.constant:.6g})")
@@ -223,6 +247,28 @@ def _parser() -> argparse.ArgumentParser:
                    help="the trainer divides each microbatch's loss by A before backward (default: no)")
     p.add_argument("--reduction", choices=("mean", "sum"), default="mean",
                    help="how gradients combine over ranks: DDP's mean (default) or a sum")
+    p.add_argument("--microbatch-tokens", type=_at_least(1), metavar="B",
+                   help="also cut each rank's sequences greedily into microbatches of at most B response tokens "
+                        "(ranks then hold different numbers of sequences and of microbatches)")
+    p.add_argument("--pack", type=_at_least(1), metavar="L",
+                   help="also pack each microbatch's responses back to back into rows of L positions; the loss "
+                        "gets per-token advantages (n, L) and can ask for sequence_ids")
+    p.add_argument("--context-parallel", type=_at_least(2), metavar="K",
+                   help="also split each row's positions over K ranks; gradients are reduced over dp x cp ranks")
+    p.add_argument("--cp-layout", choices=CP_LAYOUTS, nargs="+",
+                   help="contiguous: K chunks in order; two-chunk: 2K chunks, rank i holding chunks i and "
+                        "2K-1-i (default: both; needs --context-parallel)")
+    p.add_argument("--cp-reduction", choices=("mean", "sum"),
+                   help="how gradients combine over the K ranks of a context-parallel group (default mean; needs "
+                        "--context-parallel)")
+    p.add_argument("--pipeline-combine", choices=("sum", "mean"),
+                   help="also cut each microbatch into P pipeline microbatches whose losses the schedule sums or "
+                        "averages")
+    p.add_argument("--pipeline-microbatches", type=_at_least(2), metavar="P",
+                   help="P (default 2; needs --pipeline-combine)")
+    p.add_argument("--count-masked", choices=COUNT_MASKED,
+                   help="add truncated responses (one a group) and tokens a rejection mask drops, and declare which "
+                        "of them your loss should count (none: both are dropped, from the sum and from every count)")
     p.add_argument("--group-size", type=_at_least(2), default=8, help="G completions per prompt (default 8)")
     p.add_argument("--max-new-tokens", type=_at_least(1), default=64, help="the longest response (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic minibatch (default 0)")
@@ -230,14 +276,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _splits(args) -> Splits:
+    """The axes the flags ask for, or a ContractError naming the flags that do not go together."""
+    T = args.max_new_tokens
+    if args.context_parallel is None and (args.cp_layout or args.cp_reduction):
+        raise ContractError(f"--{'cp-layout' if args.cp_layout else 'cp-reduction'} needs --context-parallel K")
+    if args.pipeline_combine is None and args.pipeline_microbatches:
+        raise ContractError("--pipeline-microbatches needs --pipeline-combine sum|mean")
+    if args.pack and args.context_parallel:
+        raise ContractError("--pack with --context-parallel: the audit splits padded rows over a group, not "
+                            "packed ones (THD); audit each alone")
+    if args.pipeline_combine and args.microbatch_tokens:
+        raise ContractError("--pipeline-combine with --microbatch-tokens: a token-budget microbatch may hold fewer "
+                            "sequences than pipeline microbatches; audit each alone")
+    for flag, value in (("--pack", args.pack), ("--microbatch-tokens", args.microbatch_tokens)):
+        if value is not None and value < T:
+            raise ContractError(f"{flag} {value} is below --max-new-tokens {T}: the longest response would not fit")
+    if args.context_parallel and 2 * args.context_parallel > T:
+        raise ContractError(f"--context-parallel {args.context_parallel} needs --max-new-tokens of at least "
+                            f"{2 * args.context_parallel} (2K chunks of a row)")
+    return Splits(args.microbatch_tokens, args.pack, args.context_parallel or 1,
+                  tuple(args.cp_layout or CP_LAYOUTS),
+                  (args.pipeline_microbatches or 2) if args.pipeline_combine else None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: print the table and the verdict; exit 0 invariant, 1 skewed, leaking or wrong-signed, 2 error."""
     try:
         args = _parser().parse_args(argv)
+        splits = _splits(args)
+        convention = Convention(args.scale_by_accum, args.reduction, args.cp_reduction or "mean",
+                                args.pipeline_combine or "sum")
         with imported_loss(args.loss) as loss_fn:  # a file's neighbours stay importable until the audit ends
-            report = audit(loss_fn, args.world_size, args.accum_steps, args.sharding,
-                           Convention(args.scale_by_accum, args.reduction), args.group_size, args.max_new_tokens,
-                           args.seed, name=args.loss, tol=args.tol)
+            report = audit(loss_fn, args.world_size, args.accum_steps, args.sharding, convention, args.group_size,
+                           args.max_new_tokens, args.seed, name=args.loss, tol=args.tol, splits=splits,
+                           count_masked=args.count_masked)
     except ContractError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -50,20 +50,30 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gradnorm.audit.masking import MaskedFinding, finding as masked_finding, with_masked_tokens
+from gradnorm.audit.splits import Layout, Loop, Splits, build, layouts
 from gradnorm.core.grpo import group_advantages
 from gradnorm.core.modes import MODE_NAMES
-from gradnorm.core.sharding import SHARD_KINDS, Plan, make_plan, validate_plan
+from gradnorm.core.sharding import SHARD_KINDS, Plan, validate_plan
 from gradnorm.core.simulate import effective_weights, simulated_counts
 
 COUNTS = {
     "ref_logp": "(n, T) reference log-probs; equal to logp here, so a k2/k3 KL has zero gradient",
-    "num_tokens": "N: response tokens of the whole minibatch (all ranks, all microbatches)",
+    "num_tokens": "N: response tokens of the whole minibatch (all ranks, all microbatches) the loss should count",
     "num_sequences": "S_tok: sequences of the minibatch with at least one response token",
     "num_groups": "N_groups: prompt groups of the minibatch with at least one response token",
-    "group_tokens": "(n,) int64: N_g(i), the minibatch's token count of each sequence's group",
-    "group_ids": "(n,) int64: the global prompt-group index of each sequence",
+    "group_tokens": "(k,) int64: N_g(i), the minibatch's token count of each sequence's group",
+    "group_ids": "(k,) int64: the global prompt-group index of each sequence",
     "world_size": "W: data-parallel ranks",
-    "accum_steps": "A: microbatches per rank per optimizer step",
+    "accum_steps": "A: this rank's microbatches per optimizer step (under a token budget, each rank's own)",
+    "sequence_ids": "(n, T) int64: which of the call's k sequences each position belongs to (-1: a packed "
+                    "row's padding); row i is sequence i unless rows are packed",
+    "sequence_tokens": "(k,) int64: |o_i|, the tokens of each sequence the loss should count (all its chunks)",
+    "num_response_tokens": "every generated token of the minibatch, dropped ones included",
+    "truncated": "(k,) bool: responses cut at max_new_tokens",
+    "rejected": "(n, T) bool: tokens a rejection (importance-sampling) mask drops",
+    "context_parallel": "K: ranks each sequence is split over (1 without context parallelism)",
+    "pipeline_microbatches": "P: pipeline microbatches a microbatch is cut into (1 without a pipeline)",
 }
 MODES = MODE_NAMES  # compared in this order: the core's modes, then Dr GRPO's constant
 
@@ -77,10 +87,22 @@ class SyntheticBatch:
     """The synthetic ragged GRPO minibatch every loss is audited on (S sequences, T positions)."""
 
     logp: Tensor  # (S, T) float64, also on padding, where a loss that ignores the mask reads it
-    mask: Tensor  # (S, T) bool, the first |o_i| positions of each row
+    mask: Tensor  # (S, T) bool, the tokens the loss should count (the first |o_i| positions of each row)
     advantages: Tensor  # (S,) float64, |A_i| >= 0.1, both signs in every group
     group_ids: Tensor  # (S,) int64, consecutive groups of group_size completions
     group_size: int
+    response: Tensor | None = None  # (S, T) bool, every generated token (``mask`` unless tokens are dropped)
+    truncated: Tensor | None = None  # (S,) bool, responses cut at T (``gradnorm.audit.masking``)
+    rejected: Tensor | None = None  # (S, T) bool, tokens a rejection mask drops
+    count_masked: str | None = None  # which of those the loss should count; None: the batch has none
+
+    def __post_init__(self):
+        if self.response is None:  # no dropped tokens: every generated token counts
+            object.__setattr__(self, "response", self.mask)
+        if self.truncated is None:
+            object.__setattr__(self, "truncated", torch.zeros(len(self.mask), dtype=torch.bool))
+        if self.rejected is None:
+            object.__setattr__(self, "rejected", torch.zeros_like(self.mask))
 
     @property
     def num_groups(self) -> int:
@@ -191,55 +213,79 @@ class Convention:
     """Whether the trainer divides each microbatch's returned loss by A before backward."""
     reduction: str = "mean"
     """How gradients combine over ranks: "mean" (DDP, FSDP) or "sum"."""
+    cp_reduction: str = "mean"
+    """How gradients combine over the K ranks of a context-parallel group: "mean" or "sum"."""
+    pipeline_combine: str = "sum"
+    """How a pipeline schedule combines its P microbatches' losses: "sum" or "mean" (x 1/P)."""
+
+    @property
+    def loop(self) -> Loop:
+        return Loop(self.scale_by_accum, self.reduction, self.cp_reduction, self.pipeline_combine)
 
 
-def _call(loss_fn, batch: SyntheticBatch, plan: Plan, advantages: Tensor, convention: Convention) -> Tensor:
-    """g (S, T): the reduced gradient of one optimizer step with respect to every token's logp."""
-    world_size, accum_steps = len(plan), len(plan[0])
-    counts = simulated_counts(plan, batch.mask.sum(-1), batch.group_ids, batch.num_groups)
+PAD_LOGP = -1.0
+"""The log-prob a packed row's padding holds (it belongs to no sequence and carries no advantage)."""
+
+
+def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor) -> Tensor:
+    """g (S*T + 1,): the reduced gradient of one optimizer step w.r.t. every token's logp (last: padding)."""
+    S, T = batch.mask.shape
+    counts = simulated_counts(layout.plan, batch.mask.sum(-1), batch.group_ids, batch.num_groups)
+    kept_lengths = batch.mask.sum(-1)  # (S,) |o_i| counted
+    values = torch.cat([batch.logp.reshape(-1), torch.tensor([PAD_LOGP], dtype=batch.logp.dtype)])
+    response = torch.cat([batch.response.reshape(-1), torch.tensor([False])])
+    rejected = torch.cat([batch.rejected.reshape(-1), torch.tensor([False])])
+    packed = "pack" in layout.axes
     try:
         signature = inspect.signature(loss_fn)
     except (TypeError, ValueError) as err:
         raise ContractError(f"cannot read the loss's signature: {_one_line(err)}") from None
-    grad = torch.zeros_like(batch.logp)
-    for r, rank in enumerate(plan):
-        for m, mb in enumerate(rank):  # gradient accumulation: microbatch gradients add up
-            leaf = batch.logp[mb].clone().requires_grad_(True)  # (n, T) ALGO LOGIC: the leaf we read
-            offered = {
-                "ref_logp": leaf.detach().clone(), "num_tokens": counts.tokens, "num_sequences": counts.sequences,
-                "num_groups": counts.active_groups, "group_tokens": counts.group_tokens[batch.group_ids[mb]],
-                "group_ids": batch.group_ids[mb], "world_size": world_size, "accum_steps": accum_steps,
-            }
-            asked = {k: v for k, v in offered.items() if k in signature.parameters}
-            where = f"(W={world_size} A={accum_steps}, rank {r}, microbatch {m})"
-            try:
-                signature.bind(leaf, leaf.detach().clone(), advantages[mb], batch.mask[mb], **asked)
-            except TypeError as err:
-                raise ContractError(f"the loss cannot take the audit's arguments ({err}); it gets logp, old_logp, "
-                                    f"advantages, mask and, by name, any of: {', '.join(COUNTS)}") from None
-            try:
-                loss = loss_fn(leaf, leaf.detach().clone(), advantages[mb], batch.mask[mb], **asked)
-            except Exception as err:
-                raise ContractError(f"the loss raised {_one_line(err)} {where}") from None
-            if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
-                raise ContractError(f"the loss must return a scalar float tensor, got {got} {where}")
-            if not torch.isfinite(loss).all():
-                raise ContractError(f"the loss returned {loss.item()} {where}")
-            if not loss.requires_grad:
-                raise ContractError(f"the loss is not differentiable in logp (no gradient) {where}")
-            if convention.scale_by_accum:
-                loss = loss / accum_steps
-            try:
-                (g,) = torch.autograd.grad(loss.reshape(()), leaf, allow_unused=True)
-            except RuntimeError as err:
-                raise ContractError(f"backward through the loss failed: {_one_line(err)} {where}") from None
-            if g is None:
-                raise ContractError(f"the loss is not differentiable in logp (no gradient) {where}")
-            if not torch.isfinite(g).all():
-                raise ContractError(f"the loss has a NaN or inf gradient {where}")
-            grad[mb] += g
-    return grad / world_size if convention.reduction == "mean" else grad  # DDP's mean over ranks
+    grad = torch.zeros(S * T + 1, dtype=batch.logp.dtype)
+    for call in layout.calls:  # every forward of the step: gradients add up
+        seq = call.sequences  # (k,) minibatch indices
+        leaf = values[call.index].clone().requires_grad_(True)  # (n, L) ALGO LOGIC: the leaf we read
+        if packed:  # a packed row's advantages are per token: its sequence's, 0 on padding
+            adv = torch.where(call.sequence >= 0, advantages[seq][call.sequence.clamp(min=0)], 0.0)  # (n, L)
+        else:
+            adv = advantages[seq]  # (n,)
+        offered = {
+            "ref_logp": leaf.detach().clone(), "num_tokens": counts.tokens, "num_sequences": counts.sequences,
+            "num_groups": counts.active_groups, "group_tokens": counts.group_tokens[batch.group_ids[seq]],
+            "group_ids": batch.group_ids[seq], "world_size": layout.world_size, "accum_steps": call.accum_steps,
+            "sequence_ids": call.sequence, "sequence_tokens": kept_lengths[seq],
+            "num_response_tokens": int(batch.response.sum()), "truncated": batch.truncated[seq],
+            "rejected": rejected[call.index], "context_parallel": layout.context_parallel,
+            "pipeline_microbatches": layout.pipeline_microbatches,
+        }
+        asked = {k: v for k, v in offered.items() if k in signature.parameters}
+        where = f"(W={layout.world_size} {layout.label}, {call.where[1:]}"
+        mask = response[call.index]
+        try:
+            signature.bind(leaf, leaf.detach().clone(), adv, mask, **asked)
+        except TypeError as err:
+            raise ContractError(f"the loss cannot take the audit's arguments ({err}); it gets logp, old_logp, "
+                                f"advantages, mask and, by name, any of: {', '.join(COUNTS)}") from None
+        try:
+            loss = loss_fn(leaf, leaf.detach().clone(), adv, mask, **asked)
+        except Exception as err:
+            raise ContractError(f"the loss raised {_one_line(err)} {where}") from None
+        if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
+            raise ContractError(f"the loss must return a scalar float tensor, got {got} {where}")
+        if not torch.isfinite(loss).all():
+            raise ContractError(f"the loss returned {loss.item()} {where}")
+        if not loss.requires_grad:
+            raise ContractError(f"the loss is not differentiable in logp (no gradient) {where}")
+        try:
+            (g,) = torch.autograd.grad(loss.reshape(()) * call.scale, leaf, allow_unused=True)  # loop, reductions
+        except RuntimeError as err:
+            raise ContractError(f"backward through the loss failed: {_one_line(err)} {where}") from None
+        if g is None:
+            raise ContractError(f"the loss is not differentiable in logp (no gradient) {where}")
+        if not torch.isfinite(g).all():
+            raise ContractError(f"the loss has a NaN or inf gradient {where}")
+        grad.index_add_(0, call.index.reshape(-1), g.reshape(-1))
+    return grad
 
 
 @dataclass
@@ -251,10 +297,11 @@ class Result:
     weights: Tensor  # (S, T) float64: w[i, t], the token's weight in J (0 where the loss ignores it)
     residual: Tensor  # (S, T): the gradient part that does not scale with the advantages
     change: float = 0.0  # the largest relative change of a token's weight against the reference
-    update_share: Tensor = field(default=None)  # (W,) each rank's share of sum w
-    token_share: Tensor = field(default=None)  # (W,) each rank's share of the response tokens
+    update_share: Tensor = field(default=None)  # (W*K,) each rank's share of sum w
+    token_share: Tensor = field(default=None)  # (W*K,) each rank's share of the response tokens
     distance: dict[str, float] = field(default_factory=dict)  # mode -> max |w - w_mode| / max |w_mode|
     factor: dict[str, float] = field(default_factory=dict)  # mode -> c, when w = c * w_mode to tol (else absent)
+    layout: Layout | None = None  # every call of the step (the axes beyond the plan)
 
     @property
     def world_size(self) -> int:
@@ -265,23 +312,50 @@ class Result:
         return len(self.plan[0])
 
     @property
+    def axes(self) -> frozenset[str]:
+        """The splits beyond a fixed-count plan this configuration has: "budget", "pack", "cp", "pipeline"."""
+        return self.layout.axes if self.layout else frozenset()
+
+    @property
+    def accum_label(self) -> str:
+        """A, or its range over the ranks when a token budget gives them different counts ("3-5")."""
+        counts = [len(rank) for rank in self.plan]
+        return str(counts[0]) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+
+    @property
     def equal_counts(self) -> bool:
         """Every microbatch holds the same number of sequences (fixed-size microbatches)."""
         return len({len(mb) for rank in self.plan for mb in rank}) == 1
 
 
-def measure(loss_fn, batch: SyntheticBatch, plan: Plan, convention: Convention = Convention(), label: str = "") -> Result:
-    """The effective weight w[i, t] of every token of ``batch`` under ``plan`` (see the module docstring)."""
-    validate_plan(plan, len(batch.mask))
-    plus = _call(loss_fn, batch, plan, batch.advantages, convention)
-    minus = _call(loss_fn, batch, plan, -batch.advantages, convention)
+def measure(loss_fn, batch: SyntheticBatch, plan: Plan | Layout, convention: Convention = Convention(),
+            label: str = "") -> Result:
+    """The effective weight w[i, t] of every token of ``batch`` under ``plan`` (see the module docstring).
+
+    ``plan``: a fixed-count plan of ``gradnorm.core.sharding``, or a ``splits.Layout`` (any axis).
+    """
+    S, T = batch.mask.shape
+    if isinstance(plan, Layout):
+        layout = plan
+        label = label or layout.label
+    else:
+        validate_plan(plan, S)
+        layout = build(label, plan, batch.response.sum(-1), T, convention.loop)
+    plus = _call(loss_fn, batch, layout, batch.advantages)
+    minus = _call(loss_fn, batch, layout, -batch.advantages)
     adv = batch.advantages.unsqueeze(-1)  # (S, 1)
-    ranks = [torch.cat(list(rank)) for rank in plan]
-    weights = -(plus - minus) / (2 * adv)
+    weights = -(plus - minus)[: S * T].reshape(S, T) / (2 * adv)  # a packed row's padding dropped
+    owner = torch.zeros(S * T + 1, dtype=torch.long)  # the rank that holds each position
+    for call in layout.calls:
+        owner[call.index.reshape(-1)] = call.rank
+    owner = owner[: S * T]
     total = weights.sum()
-    update = torch.stack([weights[idx].sum() for idx in ranks]) / (total if total != 0 else 1.0)
-    tokens = torch.stack([batch.mask[idx].sum() for idx in ranks]).double() / batch.mask.sum()
-    return Result(label, plan, weights, (plus + minus) / 2, update_share=update, token_share=tokens)
+    flat, counted = weights.reshape(-1), batch.mask.reshape(-1)
+    ranks = range(layout.num_ranks)
+    update = torch.stack([flat[owner == r].sum() for r in ranks]) / (total if total != 0 else 1.0)
+    tokens = torch.stack([counted[owner == r].sum() for r in ranks]).double() / batch.mask.sum()
+    return Result(label, layout.plan, weights, (plus + minus)[: S * T].reshape(S, T) / 2, update_share=update,
+                  token_share=tokens, layout=layout)
 
 
 @dataclass(frozen=True)
@@ -316,6 +390,7 @@ class Report:
     tol: float
     negative: float = 0.0  # the largest share of the weight inside the mask that is negative
     near: Near | None = None  # when no mode matches: the one it equals up to a factor, if any
+    masked: MaskedFinding | None = None  # with dropped tokens in the batch: what the denominator does with them
 
     @property
     def matches(self) -> list[str]:
@@ -360,13 +435,27 @@ class Report:
     @property
     def exit_code(self) -> int:
         """The command's status: 0 invariant, masked and signed right; 1 skewed, leaking or wrong-signed."""
-        return 0 if self.invariant and not self.leaks and not self.wrong_sign else 1
+        miscounts = self.masked is not None and self.masked.counts_dropped is True
+        return 0 if self.invariant and not self.leaks and not self.wrong_sign and not miscounts else 1
 
 
-def _mode_weights(mode: str, batch: SyntheticBatch, plan: Plan, constant: float) -> Tensor:
-    """(S, T) the weights gradnorm's ``mode`` gives under ``plan``; ``constant`` uses the fitted C."""
-    den = constant if mode == "constant" else mode
-    return effective_weights(batch.mask, batch.group_ids, batch.num_groups, den, plan)
+def _mode_weights(mode: str, mask: Tensor, batch: SyntheticBatch, plan: Plan, constant: float) -> Tensor:
+    """(S, T) the weights gradnorm's ``mode`` gives under ``plan``, counting ``mask``; ``constant`` uses C.
+
+    Only ``local`` depends on the plan: 1 / (W * A_r * N[r, m]), written out here because a token
+    budget gives ranks different numbers A_r of microbatches (core's plans have one A). The other
+    modes' weights are the same under any plan, so they come from core's one-process plan.
+    """
+    if mode != "local":
+        den = constant if mode == "constant" else mode
+        return effective_weights(mask, batch.group_ids, batch.num_groups, den, [[torch.arange(len(mask))]])
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for rank in plan:
+        for mb in rank:
+            local_tokens = int(mask[mb].sum())
+            if local_tokens:
+                out[mb] = mask[mb].double() / (len(plan) * len(rank) * local_tokens)
+    return out
 
 
 def _fit(weights: Tensor, expected: Tensor, tol: float) -> float | None:
@@ -423,6 +512,7 @@ def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequenc
         raise ContractError("nothing to compare: only one process with one microbatch was asked for; "
                             "give a world size or accumulation steps above 1")
     results = [measure(loss_fn, batch, plan, convention, label) for label, plan in pairs]
+    cache: dict[str, Tensor] = {}  # every mode but `local` gives the same weights under any plan
     ref = results[0].weights
     scale = ref.abs().max()
     if scale == 0:
@@ -437,7 +527,12 @@ def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequenc
             if mode == "constant" and not math.isfinite(constant):
                 res.distance[mode] = math.inf
                 continue
-            expected = _mode_weights(mode, batch, res.plan, constant)  # (S, T)
+            if mode == "local":
+                expected = _mode_weights(mode, batch.mask, batch, res.plan, constant)  # (S, T)
+            else:
+                expected = cache.get(mode)
+                if expected is None:
+                    expected = cache[mode] = _mode_weights(mode, batch.mask, batch, res.plan, constant)
             res.distance[mode] = float((res.weights - expected).abs().max() / expected.abs().max())
             if (c := _fit(res.weights, expected, tol)) is not None:
                 res.factor[mode] = c
@@ -451,22 +546,34 @@ def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequenc
                     residual, tol, negative)
     if report.equals is None:
         report.near = _nearest(results, tol)
+    if batch.count_masked is not None:  # right: counts over the kept tokens; counting: over every generated one
+        modes = [m for m in MODES if m not in ("local", "constant")]
+        right = {m: cache[m] for m in modes}
+        counting = {m: _mode_weights(m, batch.response, batch, results[0].plan, constant) * batch.mask for m in modes}
+        report.masked = masked_finding(batch, results[0].weights, right, counting, tol)
     return report
 
 
 def audit(loss_fn, world_sizes: Sequence[int] = (8,), accum_steps: Sequence[int] = (4,),
           shardings: Sequence[str] = SHARD_KINDS, convention: Convention = Convention(), group_size: int = 8,
-          max_new_tokens: int = 64, seed: int = 0, name: str | None = None, tol: float = 1e-6) -> Report:
-    """Audit ``loss_fn`` for every (W, A, sharding) asked for, against one process with one microbatch.
+          max_new_tokens: int = 64, seed: int = 0, name: str | None = None, tol: float = 1e-6,
+          splits: Splits = Splits(), count_masked: str | None = None) -> Report:
+    """Audit ``loss_fn`` for every (W, A, sharding) and split asked for, against one process with one microbatch.
 
-    W = A = 1 is the reference itself; asking for nothing else is a ``ContractError``.
+    ``splits``: the axes beyond (W, A, sharding) (``gradnorm.audit.splits``); ``count_masked``: add
+    truncated responses and rejected tokens, and declare which the loss should count
+    (``gradnorm.audit.masking``). W = A = 1 with no axis is the reference itself; asking for
+    nothing else is a ``ContractError``.
     """
-    layouts = [(w, a) for w in world_sizes for a in accum_steps]
-    batch = synthetic_minibatch(minibatch_size([w * a for w, a in layouts], group_size), group_size,
-                                max_new_tokens, seed)
-    lengths = batch.mask.sum(-1)
-    plans = [("reference", make_plan("contiguous", lengths, 1, 1))]  # one process, one microbatch
-    for w, a in layouts:
-        plans += [(kind, make_plan(kind, lengths, w, a)) for kind in (shardings if w * a > 1 else ())]
-    return audit_plans(loss_fn, batch, plans, convention, name or getattr(loss_fn, "__name__", "loss"), tol)
+    sizes = [w * a * splits.granularity for w in world_sizes for a in accum_steps]
+    batch = synthetic_minibatch(minibatch_size(sizes, group_size), group_size, max_new_tokens, seed)
+    if count_masked is not None:
+        batch = with_masked_tokens(batch, count_masked, seed)
+    try:
+        pairs = [(layout.label, layout) for layout in
+                 layouts(batch.response.sum(-1), max_new_tokens, world_sizes, accum_steps, shardings, splits,
+                         convention.loop)]
+    except ValueError as err:  # a split the minibatch cannot take (a budget below the longest response)
+        raise ContractError(str(err)) from None
+    return audit_plans(loss_fn, batch, pairs, convention, name or getattr(loss_fn, "__name__", "loss"), tol)
 
