@@ -108,7 +108,7 @@ def wandb_records(path: Path):
 def wandb_run(out: Path) -> dict:
     """Every start's run record, and the curve as ``wandb sync`` replays them: in order, each
     rewound to its branch point first."""
-    starts, history = [], {}
+    starts, history, twice = [], {}, []
     for directory in sorted((out / "wandb").glob("offline-run-*")):
         (path,) = directory.glob("run-*.wandb")
         for record in wandb_records(path):
@@ -121,8 +121,9 @@ def wandb_run(out: Path) -> dict:
                 row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                        for item in record.history.item}  # a logged image is nested: learning_curve/path
                 if "_step" in row:  # else W&B's own bookkeeping
+                    twice += [row["_step"]] if row["_step"] in history else []
                     history[row["_step"]] = {**row, "files": directory / "files"}
-    return {"starts": starts, "history": history}
+    return {"starts": starts, "history": history, "twice": twice}
 
 
 # ------------------------------------------------------------------ the run, read back
@@ -164,6 +165,7 @@ def test_wandb_offline_has_every_numeric_key_at_every_step_once(run):
     found = wandb_run(out)
     lines = metrics(out)
     assert sorted(found["history"]) == [m["step"] for m in lines]
+    assert found["twice"] == []  # no step logged again without a rewind before it
     for m in lines:
         row = found["history"][m["step"]]
         for key, value in numeric(m).items():
