@@ -17,13 +17,15 @@ the whole map and one optimizer step's data flow):
 - ``audit``    ``python -m gradnorm.audit``: the token weights of any trainer's loss
 """
 
+# The public API, stable (README, "Use the fix in your own loop"): count, one all-reduce, weights.
 from gradnorm.core.denominators import (
     MODES,
     Counts,
     Denominator,
     count_tokens,
+    loss_weights,
     parse_denominator,
     token_weights,
 )
 
-__all__ = ["MODES", "Counts", "Denominator", "count_tokens", "parse_denominator", "token_weights"]
+__all__ = ["MODES", "Counts", "Denominator", "count_tokens", "loss_weights", "parse_denominator", "token_weights"]

@@ -137,6 +137,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
     # rank 0 writes the run's files (the directory is locked and an old run set aside by main)
     metrics = runfiles.open_run_files(out, cfg, ctx.world_size, state.step, state.warmup) if ctx.is_main else None
+    reporters = runfiles.open_reporters(cfg, out, ctx.world_size, state.step) if ctx.is_main else None  # --report-to
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
     elapsed0 = state.elapsed_s
@@ -192,6 +193,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         state.step, state.elapsed_s = step, line["elapsed_s"]
         if ctx.is_main:
             runfiles.write_record(metrics, bar, line, cfg)
+            if reporters is not None:
+                reporters.log(line)
         timer.lap("log")
         stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop:
@@ -210,6 +213,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     if ctx.is_main:
         metrics.close()
         runfiles.summarize(out, cfg.plot)
+        if reporters is not None:
+            reporters.close(figure=out / "learning_curve.png" if cfg.plot else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(stopped, file=sys.stderr, flush=True)
             return stopped.exit_code
         finally:
+            runfiles.close_reporters()  # a failed or stopped run's loggers too
             comm.teardown()
     finally:
         if run_dir is not None:

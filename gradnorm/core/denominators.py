@@ -128,6 +128,13 @@ class Counts:
         vector = vector.to(torch.int64)
         return cls(tokens=int(vector[0]), sequences=int(vector[1]), group_tokens=vector[2:].clone())
 
+    def for_microbatch(self, mb_group_ids: Tensor) -> dict[str, int | Tensor]:
+        """The global counts one microbatch's loss takes, by the names ``gradnorm.audit`` offers them:
+        ``num_tokens`` N, ``num_sequences`` S_tok, ``num_groups`` N_groups, and ``group_tokens`` (n,)
+        N_g(i) of each of its sequences (``mb_group_ids`` (n,)). ``loss_weights`` takes them back."""
+        return {"num_tokens": self.tokens, "num_sequences": self.sequences, "num_groups": self.active_groups,
+                "group_tokens": self.group_tokens.to(mb_group_ids.device)[mb_group_ids]}
+
 
 # ---------------------------------------------------------------------------------------------
 # One tiny function per mode: mb_mask (n, T) -> w (n, T), the token's weight in J.
@@ -198,6 +205,56 @@ def token_weights(
         return fn(mb_mask, mb_group_ids, counts, world_size, accum_steps, dtype)
     # A constant C: the weight is 1/C whatever the batch holds.
     return mb_mask.to(dtype) / denominator
+
+
+@dataclass(frozen=True)
+class _PerSequence(Counts):
+    """Counts as one microbatch's loss receives them (``Counts.for_microbatch``): ``group_tokens``
+    holds N_g(i) of its n sequences, each its own "group" 0..n-1, and N_groups is given, not counted."""
+
+    groups: int = 0
+
+    @property
+    def active_groups(self) -> int:
+        return self.groups
+
+
+_NEEDS = {"token": ("num_tokens",), "sequence": ("num_sequences",), "group": ("num_groups", "group_tokens")}
+
+
+def loss_weights(
+    mask: Tensor,
+    denominator: Denominator | str,
+    *,
+    world_size: int,
+    accum_steps: int = 1,
+    num_tokens: int | None = None,
+    num_sequences: int | None = None,
+    num_groups: int | None = None,
+    group_tokens: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """w (n, T): each token's weight in J for one microbatch, from the global counts by name.
+
+    The drop-in form of ``token_weights`` for a loss function of your own: it takes the counts as
+    ``Counts.for_microbatch`` (and ``gradnorm.audit``) names them, so a loss with the audit's
+    signature can be audited as it is. The same table of mode functions computes both.
+    ``mask`` (n, T) is the microbatch's response mask; ``denominator`` a mode name or a constant
+    (anything ``parse_denominator`` accepts); a mode that needs a count not given raises. Multiply
+    by W (``rank_weights``) before DDP's mean over ranks.
+    """
+    denominator = parse_denominator(denominator)
+    given = {"num_tokens": num_tokens, "num_sequences": num_sequences, "num_groups": num_groups,
+             "group_tokens": group_tokens}
+    missing = [name for name in _NEEDS.get(denominator, ()) if given[name] is None]
+    if missing:
+        raise ValueError(f"loss denominator {denominator!r} needs {' and '.join(missing)}")
+    n = mask.shape[0]
+    per_sequence = torch.zeros(n, dtype=torch.int64) if group_tokens is None else torch.as_tensor(group_tokens)
+    counts = _PerSequence(tokens=int(num_tokens or 0), sequences=int(num_sequences or 0),
+                          group_tokens=per_sequence.to(device=mask.device, dtype=torch.int64), groups=int(num_groups or 0))
+    return token_weights(mask, torch.arange(n, device=mask.device), denominator, counts,
+                         world_size=world_size, accum_steps=accum_steps, dtype=dtype)
 
 
 def needs_global_counts(denominator: Denominator) -> bool:

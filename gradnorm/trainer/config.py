@@ -93,12 +93,14 @@ BOUNDS: dict[str, Range] = {
     "cpu_threads": Range(1, 1024),
     "timeout_s": Range(10.0, 7 * 24 * 3600.0),
 }
+REPORTERS = ("tensorboard", "wandb")
+"""What --report-to may name (gradnorm.trainer.run logs to them, gradnorm.trainer.guards checks them)."""
 CONSTANT_DENOMINATOR = Range(1.0, 1e15)
 """The range of a numeric --loss-denominator C, which divides every token's loss."""
 
 CHANGEABLE_ON_RESUME = ("steps", "save_every", "log_every", "plot", "timeout_s", "cpu_threads", "backend", "device",
                         "max_skipped_steps", "gradient_checkpointing", "output_dir", "grad_accum_steps", "shard",
-                        "resume", "overwrite", "parallel", "rollouts", "export_hf")
+                        "resume", "overwrite", "parallel", "rollouts", "export_hf", "report_to")
 """Flags a --resume may change (their docstrings say "Changeable on --resume"); every other flag
 defines the run. A change is applied for real and recorded in config.json's history."""
 
@@ -260,6 +262,12 @@ class TrainConfig:
     Changeable on --resume."""
     plot: bool = True
     """Draw learning_curve.png from metrics.jsonl at the end (needs matplotlib). Changeable on --resume."""
+    report_to: str = "none"
+    """Where rank 0 also logs every numeric key of each metrics.jsonl line at its step, the run's
+    flags and, at the end, the learning curve: a comma list of tensorboard (event files in
+    output-dir/tensorboard; pip install -e '.[report]') and wandb (Weights & Biases, offline
+    unless WANDB_MODE=online: output-dir/wandb, upload later with wandb sync); none logs nothing
+    more. A resumed run continues the same curves. Changeable on --resume."""
     log_every: int = 10
     """Without a terminal (no progress bar), print a line every this many steps. Changeable on --resume."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -307,6 +315,11 @@ class TrainConfig:
         return torch.bfloat16 if bf16 else None
 
     @property
+    def reporters(self) -> tuple[str, ...]:
+        """Derived: the names of --report-to, in the order given; () for none."""
+        return () if self.report_to.strip() == "none" else tuple(n.strip() for n in self.report_to.split(","))
+
+    @property
     def denominator(self) -> Denominator:
         """Derived: loss-denominator parsed into a mode name or a float C."""
         return parse_denominator(self.loss_denominator)
@@ -335,6 +348,10 @@ class TrainConfig:
         for name in ("output_dir", "model", "export_hf"):  # Path("") is ".": an unset variable
             if not getattr(self, name).strip():
                 raise ValueError(f"--{_flag(name)} is empty; give a path")
+        names = self.reporters  # () for none; "" is [""], not none
+        if not set(names) <= set(REPORTERS) or len(set(names)) < len(names):
+            raise ValueError(f"--report-to {self.report_to!r}: expected none, or a comma list of distinct names "
+                             f"from {', '.join(REPORTERS)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-head {self.n_head} must divide --n-embd {self.n_embd}")
         if self.builtin and self.max_new_tokens < 17:

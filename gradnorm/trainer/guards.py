@@ -58,7 +58,8 @@ removed at once), so every rank runs them and reaches the same verdict.
   (the rule in ``is_local_model``);
 - ``--reward``: importable, callable as reward(response, answer);
 - ``--export-hf``: a directory the end-of-run export may write or replace (``gradnorm.trainer.outpaths``),
-  so a bad one is refused before any training rather than after it.
+  so a bad one is refused before any training rather than after it;
+- ``--report-to``: each logger's package imports, and its directory in output-dir is writable.
 
 Memory
 ------
@@ -97,6 +98,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from torch import Tensor
+import importlib
 import importlib.util
 import json
 import re
@@ -451,6 +453,30 @@ def check_inputs(cfg: TrainConfig) -> None:
     check_output_dir(cfg.output_dir)
     if cfg.export_dir is not None:
         check_export_dir(cfg.export_dir, cfg.output_dir, flag="--export-hf")
+    check_reporters(cfg)
+
+
+REPORTER_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
+"""What each name of --report-to imports (its directory is output-dir/<name>)."""
+
+
+def check_reporters(cfg: TrainConfig) -> None:
+    """--report-to: each logger imports, and its directory output-dir/<name> can be written.
+
+    The import is real, not a lookup: a package that is there but broken (a protobuf that does
+    not fit it, the usual way tensorboard and wandb break) fails here, not after the warm-up.
+    """
+    for name in cfg.reporters:
+        module = REPORTER_MODULES[name]
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # ImportError, or whatever a broken install raises on import
+            raise ValueError(f"--report-to {name}: cannot import {module} ({first_line(err)}); "
+                             f"pip install -e '.[report]', or leave {name} out of --report-to") from None
+        try:
+            check_output_dir(str(Path(cfg.output_dir) / name))
+        except ValueError as err:  # its message names --output-dir; here the directory is the logger's
+            raise ValueError(f"--report-to {name}: {str(err).replace('--output-dir ', 'log directory ', 1)}") from None
 
 
 # ------------------------------------------------------------------ memory: Will a configuration fit? The largest tensors of a step against the memory the device has free.
