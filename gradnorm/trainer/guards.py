@@ -86,6 +86,7 @@ with b = 2 bytes under bf16 autocast, else 4. A Hugging Face model's prompt leng
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 import time
@@ -289,9 +290,9 @@ def launch_environment(environ=os.environ) -> tuple[int, int]:
     present = [name for name in TORCHRUN_VARS if name in environ]
     if not {"RANK", "WORLD_SIZE"} & set(present):
         return 0, 1
+    given = " ".join(f"{name}={environ[name]}" for name in present)
     missing = [name for name in TORCHRUN_VARS if name not in environ]
     if missing:
-        given = " ".join(f"{name}={environ[name]}" for name in present)
         raise ValueError(f"the environment sets {given} but not {', '.join(missing)}: a leftover of another launch? "
                          f"unset {' '.join(present)} to run one process, or launch with torchrun")
     try:
@@ -302,13 +303,24 @@ def launch_environment(environ=os.environ) -> tuple[int, int]:
     if not 0 <= rank < world_size or not 0 < port < 65536:
         raise ValueError(f"RANK={rank} WORLD_SIZE={world_size} MASTER_PORT={port}: expected 0 <= RANK < WORLD_SIZE "
                          "and a port in 1..65535; launch with torchrun")
+    if not launched_by_an_agent(environ):  # else it would wait --timeout-s for ranks that never come, in silence
+        raise ValueError(f"the environment sets {given} but no launcher started this process (no TORCHELASTIC_RUN_ID "
+                         "from torchrun, no SLURM_PROCID equal to RANK): a leftover of another launch? unset "
+                         f"{' '.join(present)} to run one process, or launch with torchrun")
     return rank, world_size
+
+
+def launched_by_an_agent(environ=os.environ) -> bool:
+    """Whether a launcher started this process: torchrun's agent (TORCHELASTIC_RUN_ID, which a shell
+    never exports), or srun with RANK mapped from SLURM_PROCID. A complete set of torchrun's
+    variables without either is a stale shell."""
+    return "TORCHELASTIC_RUN_ID" in environ or environ.get("SLURM_PROCID", "") == environ.get("RANK")
 
 
 def error_rank(environ=os.environ) -> int:
     """Who this process is when reporting an error: torchrun's RANK in a complete torchrun environment, else 0."""
     complete = all(name in environ for name in TORCHRUN_VARS) and environ["RANK"].isdigit()
-    return int(environ["RANK"]) if complete else 0
+    return int(environ["RANK"]) if complete and launched_by_an_agent(environ) else 0
 
 
 def device_of(cfg: TrainConfig, environ=os.environ) -> torch.device:
@@ -321,6 +333,7 @@ def device_of(cfg: TrainConfig, environ=os.environ) -> torch.device:
 def check_output_dir(path: str) -> None:
     """--output-dir exists as a writable directory, or can be created (nothing is left behind)."""
     absolute = Path(os.path.abspath(path))
+    _check_resolvable(path, absolute)
     for root in VIRTUAL_FILESYSTEMS:
         if absolute == Path(root) or Path(root) in absolute.parents:
             raise ValueError(f"--output-dir {path} is under {root}, a virtual filesystem; choose a directory on disk")
@@ -338,6 +351,28 @@ def check_output_dir(path: str) -> None:
     except OSError as err:
         what = "" if probe == absolute else f" (its nearest existing parent {probe})"
         raise ValueError(f"--output-dir {path}{what} is not writable: {err.strerror}") from None
+
+
+def _check_resolvable(path: str, absolute: Path) -> None:
+    """Every component fits the filesystem's name limit, and none is a dangling symlink or a loop."""
+    existing = next(p for p in [absolute, *absolute.parents] if os.path.isdir(p))
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in absolute.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(f"--output-dir {path}: the name {part[:20]}... is {len(os.fsencode(part))} bytes long, "
+                             f"more than this filesystem allows ({name_max}); choose a shorter name")
+    for p in [absolute, *absolute.parents]:
+        if os.path.islink(p):
+            try:
+                os.stat(p)
+            except OSError as err:
+                what = "a symlink loop" if err.errno == errno.ELOOP else f"a dangling symlink (to {os.readlink(p)})"
+                where = "is" if p == absolute else f"cannot be created: {p} is"
+                raise ValueError(f"--output-dir {path} {where} {what}; fix or remove the link, or choose "
+                                 "another --output-dir") from None
 
 
 def check_prompts(path: str) -> None:
@@ -545,5 +580,12 @@ def size(n: int) -> str:
 
 
 def local_ranks(environ=os.environ) -> int:
-    """Processes of this job on this host (torchrun's LOCAL_WORLD_SIZE), which share its RAM."""
-    return int(environ.get("LOCAL_WORLD_SIZE", "1")) if environ.get("LOCAL_WORLD_SIZE", "1").isdigit() else 1
+    """Processes of this job on this host (torchrun's LOCAL_WORLD_SIZE), which share its RAM; 1 for a
+    plain process, whatever a stale shell exports. A one-line ValueError for a value that is not >= 1."""
+    value = environ.get("LOCAL_WORLD_SIZE", "1")
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return 1
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise ValueError(f"LOCAL_WORLD_SIZE={value}: expected the number of processes of this job on this host (an "
+                         "integer >= 1); launch with torchrun, which sets it")
+    return int(value)
