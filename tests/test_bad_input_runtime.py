@@ -170,6 +170,26 @@ def test_resume_recreates_missing_metrics_and_records_what_changed(tmp_path, cap
     assert second["step"] == 2 and second["changed"] == {"steps": [2, 3], "log_every": [10, 1]}
 
 
+def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_path, monkeypatch):
+    from gradnorm.trainer.run import compare_resumed
+
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "other.jsonl").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    hf = ["--model", str(tmp_path / "model"), "--prompts", "examples/arithmetic.jsonl", "--loss-denominator", "1000"]
+    old = parse_config(hf).to_dict()
+    same = ["--model", str(tmp_path / "link"), "--prompts", str(ROOT / "examples" / "arithmetic.jsonl"),
+            "--loss-denominator", "1e3", "--resume"]
+    compare_resumed(parse_config(same), old)  # the same run, spelt another way: no error
+    compare_resumed(parse_config([*same, "--lr", "1e-6"]), {**old, "lr": 0.000001})
+    for flags, says in [(["--prompts", str(tmp_path / "other.jsonl")], "--prompts examples/arithmetic.jsonl -> "),
+                        (["--loss-denominator", "1001"], "--loss-denominator 1000 -> 1001"),
+                        (["--seed", str(2**62 + 1)], f"--seed {2**62} -> {2**62 + 1}")]:  # equal as floats
+        with pytest.raises(ValueError, match=says):
+            compare_resumed(parse_config([*same, *flags]), {**old, "seed": 2**62})
+
+
 # ------------------------------------------------------------------ --overwrite and the lock
 
 
@@ -247,7 +267,10 @@ def test_a_reward_that_misbehaves_is_named_with_its_sequence(value, says):
 
 @pytest.mark.parametrize("environ, expected", [
     ({}, (0, 1)),
-    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, (1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "j"}, (1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500", "SLURM_PROCID": "1"}, (1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "but no launcher started this"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500", "SLURM_PROCID": "0"}, "no launcher"),
     ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "expected 0 <= RANK < WORLD_SIZE"),
     ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "must be integers"),
     ({"MASTER_ADDR": "h", "MASTER_PORT": "1"}, (0, 1)),  # no RANK, no WORLD_SIZE: nothing torchrun-like

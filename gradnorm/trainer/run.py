@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from fractions import Fraction
 import torch
 import json
 import os
@@ -78,6 +79,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from gradnorm.core.denominators import parse_denominator
 from gradnorm.trainer.checkpoints import latest_checkpoint
 from gradnorm.trainer.config import changeable_on_resume
 from gradnorm.trainer.config import TrainConfig
@@ -299,11 +301,38 @@ def read_config(out: Path) -> dict | None:
     return config
 
 
+PATH_FLAGS = ("model", "prompts", "output_dir", "export_hf")
+"""Flags that name a file or directory: the same one by another path is no change."""
+
+
+def _same(name: str, old, new) -> bool:
+    """Whether a flag's old and new values mean the same: files by what they resolve to (``./p.jsonl``
+    and its absolute path), numbers by value (``1e3`` and ``1000`` as --loss-denominator)."""
+    if old == new:
+        return True
+    if name in PATH_FLAGS and isinstance(old, str) and isinstance(new, str):
+        try:
+            return os.path.samefile(old, new) or os.path.realpath(old) == os.path.realpath(new)
+        except (OSError, ValueError):  # one of them is not there (a Hub id, a moved file): compare the paths
+            return os.path.realpath(old) == os.path.realpath(new)
+    if name == "loss_denominator":
+        try:
+            return parse_denominator(old) == parse_denominator(new)
+        except ValueError:
+            return False
+    numbers = (any(isinstance(v, (int, float)) for v in (old, new))
+               and all(isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in (old, new)))
+    try:  # exact: two large seeds one apart are two seeds, though equal as floats
+        return numbers and Fraction(old) == Fraction(new)
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return False
+
+
 def changed_flags(cfg: TrainConfig, old: dict) -> dict[str, list]:
     """{field: [old value, new value]} for every flag that differs from the old run's config.json."""
     new = cfg.to_dict()
     return {name: [old[name], value] for name, value in new.items()
-            if name in old and old[name] != value and name not in ("resume", "overwrite")}  # how, not what
+            if name in old and not _same(name, old[name], value) and name not in ("resume", "overwrite")}  # how, not what
 
 
 def compare_resumed(cfg: TrainConfig, old: dict | None) -> None:
