@@ -194,11 +194,15 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
             runfiles.write_record(metrics, bar, line, cfg)
         timer.lap("log")
         stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop:
+        # A stop at the first chance of an --overwrite run (Ctrl-C right after an accidental
+        # --overwrite, during warm-up) writes no checkpoint: its first one would delete the old run,
+        # which main's RunDir puts back instead. The same decision on every rank (stop is agreed).
+        abandon = bool(stop) and cfg.overwrite and step == U and step < cfg.steps
+        if not abandon and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop):
             checkpoints.save_checkpoint(out, model, opt, ref, state, ctx)
         timer.lap("checkpoint")
         if stop and step < cfg.steps:
-            raise guards.Stopped(stop, step, checkpoints.checkpoint_dir(out, step))
+            raise guards.Stopped(stop, step, None if abandon else checkpoints.checkpoint_dir(out, step))
         if state.in_a_row >= cfg.max_skipped_steps:
             raise TrainingError(f"{state.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                 "the weights are unchanged since step " f"{step - state.in_a_row}: lower --lr or "

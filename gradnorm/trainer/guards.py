@@ -173,8 +173,12 @@ DUPLICATE_S = 1.0
 class Stopped(Exception):
     """Raised by the trainer after the checkpoint of the step at which the ranks agreed to stop."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path):
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
         self.signum, self.step, self.checkpoint = signal.Signals(signum), step, checkpoint
+        if checkpoint is None:  # the first step of an --overwrite run: nothing of it is kept
+            super().__init__(f"stopped by {self.signum.name} after step {step}, the first of this --overwrite run: "
+                             "no checkpoint written, so the run it replaced is kept (put back in --output-dir)")
+            return
         super().__init__(f"stopped by {self.signum.name} after step {step}: checkpoint {checkpoint} written; "
                          "continue with --resume")
 
