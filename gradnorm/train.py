@@ -136,7 +136,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         comm.print0(f"resumed from {ckpt_path} at step {state.step}")
 
     # rank 0 writes the run's files (the directory is locked and an old run set aside by main)
-    metrics = runfiles.open_run_files(out, cfg, ctx.world_size, state.step, state.warmup) if ctx.is_main else None
+    metrics = runfiles.open_run_files(out, cfg, ctx.world_size, state.step, state.warmup,
+                                      checkpoints.saved_record(ckpt_path)) if ctx.is_main else None
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
     elapsed0 = state.elapsed_s
@@ -199,7 +200,9 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         # which main's RunDir puts back instead. The same decision on every rank (stop is agreed).
         abandon = bool(stop) and cfg.overwrite and step == U and step < cfg.steps
         if not abandon and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop):
-            checkpoints.save_checkpoint(out, model, opt, ref, state, ctx)
+            if ctx.is_main:  # the lines a checkpoint covers are on disk before it is (a crash tears neither)
+                runfiles.sync(metrics)
+            checkpoints.save_checkpoint(out, model, opt, ref, state, ctx, record=line)
         timer.lap("checkpoint")
         if stop and step < cfg.steps:
             raise guards.Stopped(stop, step, None if abandon else checkpoints.checkpoint_dir(out, step))

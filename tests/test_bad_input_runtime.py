@@ -156,6 +156,42 @@ def test_open_metrics_drops_torn_and_foreign_lines_with_a_warning(tmp_path, caps
     assert (tmp_path / "missing.jsonl").read_text() == ""
 
 
+def test_metrics_lines_are_on_disk_before_the_checkpoint_that_covers_them(tmp_path, monkeypatch):
+    """Before, metrics.jsonl was flushed, never fsynced: a power cut could keep a checkpoint and tear its line."""
+    events, honest_fsync, honest_save = [], os.fsync, checkpointing.save_checkpoint
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        honest_fsync(fd)
+
+    def save_checkpoint(out, model, opt, ref, state, ctx, **kwargs):
+        events.append(("save", state.step))
+        honest_save(out, model, opt, ref, state, ctx, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(checkpointing, "save_checkpoint", save_checkpoint)
+    out = tmp_path / "run"
+    assert run_main(out, "--steps", "3", "--save-every", "2") == 0
+    saves = [i for i, event in enumerate(events) if event[0] == "save"]
+    assert [events[i] for i in saves] == [("save", 2), ("save", 3)]
+    for i in saves:  # the last fsync before each save is metrics.jsonl's, with the save's line in it
+        assert [e for e in events[:i] if e[0] == "fsync"][-1] == ("fsync", "metrics.jsonl"), events
+
+
+def test_a_torn_line_of_the_checkpointed_step_is_restored_from_the_checkpoint(tmp_path, capsys):
+    """Before, resume dropped it: the step's record was gone for good."""
+    out = tmp_path / "run"
+    assert run_main(out, "--steps", "2") == 0
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # step 2's line torn mid-write
+    assert run_main(out, "--steps", "3", "--resume") == 0
+    err = capsys.readouterr().err
+    assert "the record of step 2 was torn or missing; restored from its checkpoint" in err, err
+    resumed = path.read_text().splitlines()
+    assert resumed[:2] == lines and json.loads(resumed[2])["step"] == 3
+
+
 def test_resume_recreates_missing_metrics_and_records_what_changed(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_main(out, "--steps", "2") == 0

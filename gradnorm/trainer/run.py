@@ -373,23 +373,32 @@ BAR_PHASES = ("rollout", "forward_backward", "optimizer")
 """Phase times (gradnorm.trainer.run) the progress bar shows beside the reward."""
 
 
-def open_run_files(out: Path, cfg: TrainConfig, world_size: int, step: int, warmup: dict):
-    """config.json (with its history), warmup.json, and metrics.jsonl opened for appending after ``step``."""
+def open_run_files(out: Path, cfg: TrainConfig, world_size: int, step: int, warmup: dict, record: dict | None = None):
+    """config.json (with its history), warmup.json, and metrics.jsonl opened for appending after ``step``
+    (``record``: the checkpoint's copy of the line of ``step``)."""
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, cfg, world_size, step)
     (out / "warmup.json").write_text(json.dumps(warmup, indent=2) + "\n")
-    return open_metrics(out / "metrics.jsonl", step)
+    return open_metrics(out / "metrics.jsonl", step, record)
 
 
-def open_metrics(path: Path, keep_through_step: int):
+def sync(metrics) -> None:
+    """metrics.jsonl's lines on disk, not only in the page cache: called before each checkpoint."""
+    metrics.flush()
+    os.fsync(metrics.fileno())
+
+
+def open_metrics(path: Path, keep_through_step: int, record: dict | None = None):
     """metrics.jsonl for appending, cut back to the steps <= ``keep_through_step`` (0: a fresh file).
 
     A resumed run's file may be missing (it starts again after the checkpoint's step), end in a
     torn line (a crash mid-write) or hold lines that are not records (edited by hand): those lines
-    are dropped with a warning naming the file and the line. The cut file replaces the old one
-    atomically, so a crash now loses nothing.
+    are dropped with a warning naming the file and the line. The line of the checkpoint's own step
+    is never lost silently: when it is gone, ``record`` (the checkpoint's copy of it) takes its
+    place, or a warning says it is lost (a checkpoint of an earlier version holds no copy). The cut
+    file replaces the old one atomically, so a crash now loses nothing.
     """
-    kept = []
+    kept, logged = [], set()
     if keep_through_step > 0 and not path.exists():
         print(f"warning: {path} is missing; it starts again at step {keep_through_step + 1}", file=sys.stderr, flush=True)
     elif keep_through_step > 0:
@@ -406,8 +415,19 @@ def open_metrics(path: Path, keep_through_step: int):
                 print(f"warning: {path}:{number}: dropped {why}", file=sys.stderr, flush=True)
             elif step <= keep_through_step:
                 kept.append(line)
+                logged.add(step)
+        if keep_through_step not in logged and record is not None and record.get("step") == keep_through_step:
+            kept.append(json.dumps(record))
+            print(f"warning: {path}: the record of step {keep_through_step} was torn or missing; restored from "
+                  "its checkpoint", file=sys.stderr, flush=True)
+        elif keep_through_step not in logged:
+            print(f"warning: {path}: the record of step {keep_through_step} is torn or missing and its checkpoint "
+                  "holds no copy (an earlier version wrote it): that step has no line", file=sys.stderr, flush=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return open(path, "a")
 
