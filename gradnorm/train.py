@@ -252,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TrainingError, checkpoints.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
             # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
             step = None if isinstance(err, TrainingError) else guards.failed_step(err, train.__code__)  # it says
-            guards.report_error(guards.explain(err, ctx.device, step), ctx.rank)
+            message = guards.explain(err, ctx.device, step)
+            comm.post_error(message)  # ranks waiting for this one in a collective learn it now, not after --timeout-s
+            guards.report_error(message, ctx.rank)
+            return 1
+        except RuntimeError as err:  # a collective failed: a peer failed (and said why), died, or hangs
+            if not comm.is_collective_failure(err):
+                raise
+            step = guards.failed_step(err, train.__code__)
+            guards.report_error(guards.peer_failure(comm.posted_errors(ctx.world_size), err, ctx.rank, ctx.world_size,
+                                                    cfg.timeout_s, step), ctx.rank)
             return 1
         except guards.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
             if ctx.is_main:

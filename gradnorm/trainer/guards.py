@@ -161,6 +161,28 @@ def explain(err: BaseException, device: torch.device, step: int | None) -> str:
     return where + str(err)
 
 
+def peer_failure(posted: dict[int, str], err: BaseException, rank: int, world_size: int, timeout_s: float,
+                 step: int | None) -> str:
+    """The message of a collective that failed on this rank because of a peer.
+
+    ``posted`` holds the errors failing ranks left (``comm.post_error``): the lowest other rank's
+    is the cause. Without one the peer died (SIGKILL, a crash in C++) or hangs: say which rank
+    when W = 2, and how long it was waited for.
+    """
+    others = {r: message for r, message in posted.items() if r != rank}
+    if others:
+        first = min(others)
+        return f"rank {first}: {others[first]}"
+    where = "" if step is None else f"step {step}: "
+    who = f"rank {1 - rank}" if world_size == 2 else "another rank"
+    text = first_line(err, 300)
+    why = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]  # gloo's source location and advice out
+    if "Timed out" in text or "timed out" in text.lower():
+        return (f"{where}{who} stopped responding after {timeout_s:g} s (--timeout-s) in a collective ({why}); its "
+                "own output says why, or it hangs; raise --timeout-s if one of its steps may take that long")
+    return f"{where}{who} died or left the process group ({why}); its own output, or the launcher's, says why"
+
+
 # ------------------------------------------------------------------ preemption: Preemption: on SIGTERM or SIGINT every rank finishes its optimizer step, checkpoints and exits.
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
