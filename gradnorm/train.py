@@ -257,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             guards.report_error(message, ctx.rank)
             return 1
         except RuntimeError as err:  # a collective failed: a peer failed (and said why), died, or hangs
+            if guards.out_of_memory(err):  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
+                message = guards.explain(err, ctx.device, guards.failed_step(err, train.__code__))
+                comm.post_error(message)
+                guards.report_error(message, ctx.rank)
+                return 1
             if not comm.is_collective_failure(err):
                 raise
             step = guards.failed_step(err, train.__code__)

@@ -76,6 +76,9 @@ def rollout_raises(monkeypatch, at_step: int, error: BaseException, watch: Path 
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB"),
      "error: step 3: out of memory on cpu (CUDA out of memory. Tried to allocate 80.00 GiB); raise --grad-accum-steps"),
     (MemoryError(), "error: step 3: out of memory on cpu (MemoryError); raise --grad-accum-steps"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)"),
+     "error: step 3: out of memory on cpu ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't"),
 ])
 def test_an_error_in_a_step_is_one_line_with_the_step_and_the_checkpoints_stay(error, says, tmp_path, monkeypatch, capsys):
     rollout_raises(monkeypatch, 3, error)
@@ -339,7 +342,7 @@ def test_the_rollout_estimate_is_the_size_of_the_real_kv_cache_and_prefill_logit
     assert memory.estimate(cfg, shape, 1, "cpu")["rollout"] == real
     # The control: the same configuration with far less free memory is refused.
     parts = memory.estimate(cfg, shape, 1, "cpu")
-    need = parts["static"] + max(parts["rollout"], parts["training"])
+    need = parts["static"] + max(v for k, v in parts.items() if k != "static")  # the warm-up's batch too
     monkeypatch.setattr(memory, "available", lambda device: need - 1)
     with pytest.raises(ValueError, match=f"needs at least {memory.size(need)} per rank on cpu"):
         memory.check_fits(cfg, 1, torch.device("cpu"))
@@ -350,6 +353,22 @@ def test_the_rollout_estimate_is_the_size_of_the_real_kv_cache_and_prefill_logit
 
 
 # ------------------------------------------------------------------ real launches
+
+
+@pytest.mark.parametrize("flags, part, says", [
+    (["--eval-prompts", "1000000"], "eval", "(eval 3.4 GiB: --eval-prompts 1000000, --max-new-tokens 20)"),
+    (["--warmup-batch", "1000000"], "warmup", "--warmup-batch 1000000, --max-new-tokens 20), but 1.0 GiB are free; "
+                                              "the warm-up trains on whole sequences in one batch: lower --warmup-batch"),
+])
+def test_the_estimate_covers_the_evaluation_and_the_warm_up(flags, part, says, monkeypatch):
+    """Before, --eval-prompts 1000000 and --warmup-batch 1000000 passed: only a step's batch was counted."""
+    monkeypatch.setattr(memory, "available", lambda device: 2**30)
+    memory.check_fits(parse_config(TINY), 1, torch.device("cpu"))  # the control: the small run fits 1 GiB
+    cfg = parse_config([*TINY, *flags])
+    assert max(memory.estimate(cfg, memory.model_shape(cfg), 1, "cpu").items(), key=lambda kv: kv[1])[0] == part
+    with pytest.raises(ValueError, match="needs at least") as caught:
+        memory.check_fits(cfg, 1, torch.device("cpu"))
+    assert says in str(caught.value)
 
 
 REWARD_MODULE = '''

@@ -78,7 +78,9 @@ long (a policy may produce that at any step), and it counts only the largest ten
     training = a microbatch's logits mb R V (b + 4 + 4) (logits, fp32 log-softmax, its gradient)
                + activations L mb (P + R) d b c, c = 4 tensors of width d per layer (1 with
                gradient checkpointing); mb = S / (W A)
-    peak     = static + max(rollout, training)
+    eval     = the rollout's KV cache and prefill logits for S_eval = --eval-prompts sequences
+    warmup   = (built-in model) B (P + R) V (b + 8) + 4 L B (P + R) d b, B = --warmup-batch
+    peak     = static + max(rollout, training, eval, warmup)
 
 with b = 2 bytes under bf16 autocast, else 4. A Hugging Face model's prompt length P is taken as
 1 before its tokenizer has run, and a Hub id's shape is unknown before it downloads: no estimate.
@@ -152,10 +154,16 @@ def failed_step(err: BaseException, loop: CodeType) -> int | None:
     return None
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """CUDA's or Python's out-of-memory error, or torch's CPU allocator failing (a plain RuntimeError)."""
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err))
+
+
 def explain(err: BaseException, device: torch.device, step: int | None) -> str:
     """The message of an error that stopped a run at ``step`` (None: before the first step)."""
     where = "" if step is None else f"step {step}: "
-    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+    if out_of_memory(err):
         first = first_line(err, 160)
         return f"{where}out of memory on {device} ({first}); {MEMORY_ADVICE}; the checkpoints written so far are intact"
     return where + str(err)
@@ -550,10 +558,15 @@ def estimate(cfg: TrainConfig, shape: dict, world_size: int, device_type: str) -
     S_roll = cfg.prompts_per_step * cfg.minibatches_per_rollout * cfg.group_size
     mb = math.ceil(cfg.sequences_per_step / (world_size * cfg.grad_accum_steps))
     rescored = cfg.updates_per_rollout > 1 or cfg.beta > 0
+    S_eval, B_warm, T = cfg.eval_prompts, cfg.warmup_batch if cfg.builtin else 0, P + R
     return {
         "static": 16 * N // (world_size if cfg.parallel == "fsdp" else 1) + (4 * N if cfg.beta > 0 else 0),
         "rollout": 2 * L * S_roll * (P + R) * d_kv * b + S_roll * P * V * b + (S_roll * R * V * (b + 4) if rescored else 0),
         "training": mb * R * V * (b + 8) + L * mb * (P + R) * d * b * (1 if cfg.gradient_checkpointing else 4),
+        # the reward before and after the warm-up: one response for each of --eval-prompts, on every rank
+        "eval": 2 * L * S_eval * T * d_kv * b + S_eval * P * V * b,
+        # the built-in model's supervised warm-up: whole sequences, logits with their log-softmax and gradient
+        "warmup": B_warm * T * V * (b + 8) + 4 * L * B_warm * T * d * b,
     }
 
 
@@ -577,7 +590,11 @@ ADVICE = {
                "--minibatches-per-rollout or --max-new-tokens",
     "training": "raise --grad-accum-steps or the number of ranks, lower --max-new-tokens, or (a Hugging Face "
                 "model) add --gradient-checkpointing",
+    "eval": "every rank samples one response per evaluation prompt: lower --eval-prompts or --max-new-tokens",
+    "warmup": "the warm-up trains on whole sequences in one batch: lower --warmup-batch",
 }
+WHAT = {"eval": "--eval-prompts {cfg.eval_prompts}", "warmup": "--warmup-batch {cfg.warmup_batch}"}
+"""The flags behind a part of the estimate, for its error line (the rest: the batch of a step)."""
 
 
 def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing: int = 1) -> None:
@@ -586,14 +603,14 @@ def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing:
     if shape is None:
         return
     parts = estimate(cfg, shape, world_size, device.type)
-    need = parts["static"] + max(parts["rollout"], parts["training"])
+    need = parts["static"] + max(v for k, v in parts.items() if k != "static")
     free = available(device) // (sharing if device.type == "cpu" else 1)
     if need <= free:
         return
     worst = max(parts, key=parts.get)
+    flags = WHAT.get(worst, "--prompts-per-step {cfg.prompts_per_step} x --group-size {cfg.group_size}").format(cfg=cfg)
     raise ValueError(f"this configuration needs at least {size(need)} per rank on {device} ({worst} "
-                     f"{size(parts[worst])}: --prompts-per-step {cfg.prompts_per_step} x --group-size "
-                     f"{cfg.group_size}, --max-new-tokens {cfg.max_new_tokens}), but {size(free)} are free; "
+                     f"{size(parts[worst])}: {flags}, --max-new-tokens {cfg.max_new_tokens}), but {size(free)} are free; "
                      f"{ADVICE[worst]}")
 
 
