@@ -216,8 +216,8 @@ def fill(text: str, case: Path) -> str:
 def snapshot(directory: Path) -> dict:
     """Every path under ``directory``, with size and mtime for files (a directory's mtime moves when
     the write test's file comes and goes)."""
-    return {str(p.relative_to(directory)): None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*"))}
+    return {str(p.relative_to(directory)): None if p.is_dir() else (p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(directory.rglob("*"))}  # lstat: a symlink loop or a dangling link is a case's input
 
 
 def prepare(name: str, base: Path) -> tuple[Path, list[str], dict]:
