@@ -136,7 +136,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         comm.print0(f"resumed from {ckpt_path} at step {state.step}")
 
     # rank 0 writes the run's files (the directory is locked and an old run set aside by main)
-    metrics = runfiles.open_run_files(out, cfg, ctx.world_size, state.step, state.warmup) if ctx.is_main else None
+    metrics = runfiles.open_run_files(out, cfg, ctx.world_size, state.step, state.warmup,
+                                      checkpoints.saved_record(ckpt_path)) if ctx.is_main else None
     reporters = runfiles.open_reporters(cfg, out, ctx.world_size, state.step) if ctx.is_main else None  # --report-to
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not (ctx.is_main and sys.stderr.isatty()),
                desc="GRPO", dynamic_ncols=True)
@@ -197,11 +198,17 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
                 reporters.log(line)
         timer.lap("log")
         stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop:
-            checkpoints.save_checkpoint(out, model, opt, ref, state, ctx)
+        # A stop at the first chance of an --overwrite run (Ctrl-C right after an accidental
+        # --overwrite, during warm-up) writes no checkpoint: its first one would delete the old run,
+        # which main's RunDir puts back instead. The same decision on every rank (stop is agreed).
+        abandon = bool(stop) and cfg.overwrite and step == U and step < cfg.steps
+        if not abandon and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop):
+            if ctx.is_main:  # the lines a checkpoint covers are on disk before it is (a crash tears neither)
+                runfiles.sync(metrics)
+            checkpoints.save_checkpoint(out, model, opt, ref, state, ctx, record=line)
         timer.lap("checkpoint")
         if stop and step < cfg.steps:
-            raise guards.Stopped(stop, step, checkpoints.checkpoint_dir(out, step))
+            raise guards.Stopped(stop, step, None if abandon else checkpoints.checkpoint_dir(out, step))
         if state.in_a_row >= cfg.max_skipped_steps:
             raise TrainingError(f"{state.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                 "the weights are unchanged since step " f"{step - state.in_a_row}: lower --lr or "
@@ -250,7 +257,21 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TrainingError, checkpoints.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
             # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
             step = None if isinstance(err, TrainingError) else guards.failed_step(err, train.__code__)  # it says
-            guards.report_error(guards.explain(err, ctx.device, step), ctx.rank)
+            message = guards.explain(err, ctx.device, step)
+            comm.post_error(message)  # ranks waiting for this one in a collective learn it now, not after --timeout-s
+            guards.report_error(message, ctx.rank)
+            return 1
+        except RuntimeError as err:  # a collective failed: a peer failed (and said why), died, or hangs
+            if guards.out_of_memory(err):  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
+                message = guards.explain(err, ctx.device, guards.failed_step(err, train.__code__))
+                comm.post_error(message)
+                guards.report_error(message, ctx.rank)
+                return 1
+            if not comm.is_collective_failure(err):
+                raise
+            step = guards.failed_step(err, train.__code__)
+            guards.report_error(guards.peer_failure(comm.posted_errors(ctx.world_size), err, ctx.rank, ctx.world_size,
+                                                    cfg.timeout_s, step), ctx.rank)
             return 1
         except guards.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
             if ctx.is_main:

@@ -126,6 +126,14 @@ CASES = {
                                   output_dir=None),
     "output-dir-not-writable": Case([], "is not writable: Permission denied",
                                     setup=lambda case: (case / "ro").mkdir(mode=0o555), output_dir="{case}/ro/run"),
+    "output-dir-symlink-loop": Case([], "--output-dir {case}/run is a symlink loop",
+                                    setup=lambda case: (case / "run").symlink_to(case / "run")),
+    "output-dir-under-a-symlink-loop": Case([], "cannot be created: {case}/loop is a symlink loop",
+                                            setup=lambda case: (case / "loop").symlink_to(case / "loop"),
+                                            output_dir="{case}/loop/run"),
+    "output-dir-dangling-symlink": Case([], "--output-dir {case}/run is a dangling symlink (to {case}/nowhere)",
+                                        setup=lambda case: (case / "run").symlink_to(case / "nowhere")),
+    "output-dir-name-too-long": Case([], "is 300 bytes long, more than this filesystem allows", output_dir="{case}/" + "r" * 300),
     "output-dir-holds-a-run": Case([], "holds a run (ckpt_step2, config.json): --resume to continue it, --overwrite",
                                    setup=run_with()),
     "output-dir-holds-a-torn-checkpoint": Case([], "holds a run (.ckpt_step2.tmp): --resume to continue it",
@@ -157,6 +165,12 @@ CASES = {
     # ---- the environment: a stale shell
     "env-rank-without-master": Case([], "sets RANK=1 but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT", env={"RANK": "1"}),
     "env-leftover-world-size": Case([], "sets WORLD_SIZE=4 but not RANK", env={"WORLD_SIZE": "4"}),
+    "env-stale-torchrun": Case(["--timeout-s", "10"], "sets RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 "
+                               "but no launcher started this process (no TORCHELASTIC_RUN_ID",
+                               env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
+    "env-local-world-size-0": Case([], "LOCAL_WORLD_SIZE=0: expected the number of processes of this job on this host",
+                                   env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                                        "TORCHELASTIC_RUN_ID": "test", "LOCAL_WORLD_SIZE": "0"}),
     # ---- memory: the worst-case rollout cannot fit
     "memory-training": Case(["--prompts-per-step", "1000000", "--group-size", "4096"],
                             "TiB per rank on cpu (training"),
@@ -192,7 +206,7 @@ NEEDS_NON_ROOT = {"output-dir-not-writable"}  # root writes anywhere
 
 
 CLI = ["lr-inf", "steps-not-int", "output-dir-holds-a-run", "output-dir-locked", "resume-other-beta",
-       "env-rank-without-master", "memory-rollout", "model-missing-relative", "reward-raises-on-import"]
+       "env-rank-without-master", "env-stale-torchrun", "memory-rollout", "model-missing-relative", "reward-raises-on-import"]
 
 
 def fill(text: str, case: Path) -> str:
@@ -202,8 +216,8 @@ def fill(text: str, case: Path) -> str:
 def snapshot(directory: Path) -> dict:
     """Every path under ``directory``, with size and mtime for files (a directory's mtime moves when
     the write test's file comes and goes)."""
-    return {str(p.relative_to(directory)): None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*"))}
+    return {str(p.relative_to(directory)): None if p.is_dir() else (p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(directory.rglob("*"))}  # lstat: a symlink loop or a dangling link is a case's input
 
 
 def prepare(name: str, base: Path) -> tuple[Path, list[str], dict]:
@@ -241,7 +255,7 @@ def skip_as_root(name: str) -> None:
 def test_bad_input_is_one_error_line_exit_2_and_writes_nothing(name, tmp_path, monkeypatch, capsys):
     skip_as_root(name)
     directory, argv, env = prepare(name, tmp_path)
-    for variable in TORCHRUN_VARS:
+    for variable in (*TORCHRUN_VARS, "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(variable, raising=False)
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)
@@ -260,7 +274,7 @@ def test_bad_input_is_one_error_line_exit_2_and_writes_nothing(name, tmp_path, m
 def launch(name: str, base: Path):
     directory, argv, extra = prepare(name, base)
     before = snapshot(directory)
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in (*TORCHRUN_VARS, "TORCHELASTIC_RUN_ID", "SLURM_PROCID")}
     path = os.pathsep.join([str(ROOT), str(directory / "pkgs"), os.environ.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
     proc = subprocess.run([sys.executable, "gradnorm/train.py", *argv], cwd=ROOT, env=env,

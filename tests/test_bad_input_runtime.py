@@ -76,6 +76,9 @@ def rollout_raises(monkeypatch, at_step: int, error: BaseException, watch: Path 
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB"),
      "error: step 3: out of memory on cpu (CUDA out of memory. Tried to allocate 80.00 GiB); raise --grad-accum-steps"),
     (MemoryError(), "error: step 3: out of memory on cpu (MemoryError); raise --grad-accum-steps"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)"),
+     "error: step 3: out of memory on cpu ([enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't"),
 ])
 def test_an_error_in_a_step_is_one_line_with_the_step_and_the_checkpoints_stay(error, says, tmp_path, monkeypatch, capsys):
     rollout_raises(monkeypatch, 3, error)
@@ -156,6 +159,42 @@ def test_open_metrics_drops_torn_and_foreign_lines_with_a_warning(tmp_path, caps
     assert (tmp_path / "missing.jsonl").read_text() == ""
 
 
+def test_metrics_lines_are_on_disk_before_the_checkpoint_that_covers_them(tmp_path, monkeypatch):
+    """Before, metrics.jsonl was flushed, never fsynced: a power cut could keep a checkpoint and tear its line."""
+    events, honest_fsync, honest_save = [], os.fsync, checkpointing.save_checkpoint
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        honest_fsync(fd)
+
+    def save_checkpoint(out, model, opt, ref, state, ctx, **kwargs):
+        events.append(("save", state.step))
+        honest_save(out, model, opt, ref, state, ctx, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(checkpointing, "save_checkpoint", save_checkpoint)
+    out = tmp_path / "run"
+    assert run_main(out, "--steps", "3", "--save-every", "2") == 0
+    saves = [i for i, event in enumerate(events) if event[0] == "save"]
+    assert [events[i] for i in saves] == [("save", 2), ("save", 3)]
+    for i in saves:  # the last fsync before each save is metrics.jsonl's, with the save's line in it
+        assert [e for e in events[:i] if e[0] == "fsync"][-1] == ("fsync", "metrics.jsonl"), events
+
+
+def test_a_torn_line_of_the_checkpointed_step_is_restored_from_the_checkpoint(tmp_path, capsys):
+    """Before, resume dropped it: the step's record was gone for good."""
+    out = tmp_path / "run"
+    assert run_main(out, "--steps", "2") == 0
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # step 2's line torn mid-write
+    assert run_main(out, "--steps", "3", "--resume") == 0
+    err = capsys.readouterr().err
+    assert "the record of step 2 was torn or missing; restored from its checkpoint" in err, err
+    resumed = path.read_text().splitlines()
+    assert resumed[:2] == lines and json.loads(resumed[2])["step"] == 3
+
+
 def test_resume_recreates_missing_metrics_and_records_what_changed(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_main(out, "--steps", "2") == 0
@@ -168,6 +207,26 @@ def test_resume_recreates_missing_metrics_and_records_what_changed(tmp_path, cap
     first, second = config["history"]
     assert first["step"] == 0 and "changed" not in first
     assert second["step"] == 2 and second["changed"] == {"steps": [2, 3], "log_every": [10, 1]}
+
+
+def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_path, monkeypatch):
+    from gradnorm.trainer.run import compare_resumed
+
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "other.jsonl").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    hf = ["--model", str(tmp_path / "model"), "--prompts", "examples/arithmetic.jsonl", "--loss-denominator", "1000"]
+    old = parse_config(hf).to_dict()
+    same = ["--model", str(tmp_path / "link"), "--prompts", str(ROOT / "examples" / "arithmetic.jsonl"),
+            "--loss-denominator", "1e3", "--resume"]
+    compare_resumed(parse_config(same), old)  # the same run, spelt another way: no error
+    compare_resumed(parse_config([*same, "--lr", "1e-6"]), {**old, "lr": 0.000001})
+    for flags, says in [(["--prompts", str(tmp_path / "other.jsonl")], "--prompts examples/arithmetic.jsonl -> "),
+                        (["--loss-denominator", "1001"], "--loss-denominator 1000 -> 1001"),
+                        (["--seed", str(2**62 + 1)], f"--seed {2**62} -> {2**62 + 1}")]:  # equal as floats
+        with pytest.raises(ValueError, match=says):
+            compare_resumed(parse_config([*same, *flags]), {**old, "seed": 2**62})
 
 
 # ------------------------------------------------------------------ --overwrite and the lock
@@ -247,7 +306,10 @@ def test_a_reward_that_misbehaves_is_named_with_its_sequence(value, says):
 
 @pytest.mark.parametrize("environ, expected", [
     ({}, (0, 1)),
-    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, (1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "j"}, (1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500", "SLURM_PROCID": "1"}, (1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "but no launcher started this"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500", "SLURM_PROCID": "0"}, "no launcher"),
     ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "expected 0 <= RANK < WORLD_SIZE"),
     ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "must be integers"),
     ({"MASTER_ADDR": "h", "MASTER_PORT": "1"}, (0, 1)),  # no RANK, no WORLD_SIZE: nothing torchrun-like
@@ -280,7 +342,7 @@ def test_the_rollout_estimate_is_the_size_of_the_real_kv_cache_and_prefill_logit
     assert memory.estimate(cfg, shape, 1, "cpu")["rollout"] == real
     # The control: the same configuration with far less free memory is refused.
     parts = memory.estimate(cfg, shape, 1, "cpu")
-    need = parts["static"] + max(parts["rollout"], parts["training"])
+    need = parts["static"] + max(v for k, v in parts.items() if k != "static")  # the warm-up's batch too
     monkeypatch.setattr(memory, "available", lambda device: need - 1)
     with pytest.raises(ValueError, match=f"needs at least {memory.size(need)} per rank on cpu"):
         memory.check_fits(cfg, 1, torch.device("cpu"))
@@ -291,6 +353,22 @@ def test_the_rollout_estimate_is_the_size_of_the_real_kv_cache_and_prefill_logit
 
 
 # ------------------------------------------------------------------ real launches
+
+
+@pytest.mark.parametrize("flags, part, says", [
+    (["--eval-prompts", "1000000"], "eval", "(eval 3.4 GiB: --eval-prompts 1000000, --max-new-tokens 20)"),
+    (["--warmup-batch", "1000000"], "warmup", "--warmup-batch 1000000, --max-new-tokens 20), but 1.0 GiB are free; "
+                                              "the warm-up trains on whole sequences in one batch: lower --warmup-batch"),
+])
+def test_the_estimate_covers_the_evaluation_and_the_warm_up(flags, part, says, monkeypatch):
+    """Before, --eval-prompts 1000000 and --warmup-batch 1000000 passed: only a step's batch was counted."""
+    monkeypatch.setattr(memory, "available", lambda device: 2**30)
+    memory.check_fits(parse_config(TINY), 1, torch.device("cpu"))  # the control: the small run fits 1 GiB
+    cfg = parse_config([*TINY, *flags])
+    assert max(memory.estimate(cfg, memory.model_shape(cfg), 1, "cpu").items(), key=lambda kv: kv[1])[0] == part
+    with pytest.raises(ValueError, match="needs at least") as caught:
+        memory.check_fits(cfg, 1, torch.device("cpu"))
+    assert says in str(caught.value)
 
 
 REWARD_MODULE = '''

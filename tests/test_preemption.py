@@ -184,6 +184,24 @@ def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monk
     assert comparable(stopped) == comparable(full)
 
 
+def test_ctrl_c_right_after_an_accidental_overwrite_puts_the_old_run_back(tmp_path, capsys):
+    """Ctrl-C during the warm-up of an --overwrite run: before, the stop waited for step 1, whose
+    checkpoint completed the overwrite and deleted the old run."""
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--output-dir", str(out)]) == 0
+    before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    with preemption.catch_signals():
+        os.kill(os.getpid(), signal.SIGINT)  # pressed as the new run starts, before its first GRPO step
+        wait_for(lambda: preemption.requested() is not None)
+        assert main([*TINY, "--steps", "3", "--seed", "5", "--save-every", "1", "--output-dir", str(out),
+                     "--overwrite"]) == 130
+    err = capsys.readouterr().err
+    assert "stopped by SIGINT after step 1, the first of this --overwrite run: no checkpoint written" in err, err
+    assert "the previous run is back in" in err and "Traceback" not in err, err
+    assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_ctrl_c_while_the_script_still_imports_torch_exits_130_without_a_traceback(tmp_path):
     proc = start([sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(tmp_path / "run")])
     try:

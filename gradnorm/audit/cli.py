@@ -19,7 +19,9 @@ import torch
 
 from gradnorm.audit import why
 from gradnorm.audit.masking import COUNT_MASKED
-from gradnorm.audit.probe import COUNTS, MODES, ContractError, Convention, Near, Report, audit, imported_loss
+from gradnorm.audit.probe import (
+    COUNTS, MODES, ContractError, Convention, Near, Report, audit, imported_loss, minibatch_size,
+)
 from gradnorm.audit.splits import CP_LAYOUTS, Splits
 from gradnorm.core.sharding import SHARD_KINDS
 
@@ -199,16 +201,20 @@ class _Parser(argparse.ArgumentParser):
         raise ContractError(message)
 
 
-def _at_least(low: int):
+def _at_least(low: int, high: int = 2**63 - 1):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        if not low <= value <= high:  # a seed past 2**63 overflows torch's; a huge W asks for gigabytes
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}], got {text!r}")
         return value
     return parse
+
+
+MAX_CELLS = 10**7
+"""The largest synthetic minibatch (sequences x max-new-tokens) the audit builds: about 1 GB of tensors."""
 
 
 def _tolerance(text: str) -> float:
@@ -239,8 +245,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's list of shardings
     )
     p.add_argument("loss", help="package.module:function or path/to/file.py:function")
-    p.add_argument("--world-size", type=_at_least(1), nargs="+", default=[8], help="W, one or more (default 8)")
-    p.add_argument("--accum-steps", type=_at_least(1), nargs="+", default=[4], help="A, one or more (default 4)")
+    p.add_argument("--world-size", type=_at_least(1, 4096), nargs="+", default=[8], help="W, one or more (default 8)")
+    p.add_argument("--accum-steps", type=_at_least(1, 4096), nargs="+", default=[4], help="A, one or more (default 4)")
     p.add_argument("--sharding", choices=SHARD_KINDS, nargs="+", default=list(SHARD_KINDS),
                    help="how sequences are assigned to ranks and microbatches, each described below (default: all)")
     p.add_argument("--scale-by-accum", action="store_true",
@@ -269,9 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--count-masked", choices=COUNT_MASKED,
                    help="add truncated responses (one a group) and tokens a rejection mask drops, and declare which "
                         "of them your loss should count (none: both are dropped, from the sum and from every count)")
-    p.add_argument("--group-size", type=_at_least(2), default=8, help="G completions per prompt (default 8)")
-    p.add_argument("--max-new-tokens", type=_at_least(1), default=64, help="the longest response (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic minibatch (default 0)")
+    p.add_argument("--group-size", type=_at_least(2, 4096), default=8, help="G completions per prompt (default 8)")
+    p.add_argument("--max-new-tokens", type=_at_least(1, 2**16), default=64, help="the longest response (default 64)")
+    p.add_argument("--seed", type=_at_least(0), default=0, help="seed of the synthetic minibatch (default 0)")
     p.add_argument("--tol", type=_tolerance, default=1e-6, help="relative tolerance of every comparison (default 1e-6)")
     return p
 
@@ -304,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command: print the table and the verdict; exit 0 invariant, 1 skewed, leaking or wrong-signed, 2 error."""
     try:
         args = _parser().parse_args(argv)
+        cells = minibatch_size([w * a for w in args.world_size for a in args.accum_steps], args.group_size) * args.max_new_tokens
+        if cells > MAX_CELLS:  # the least common multiple of the layouts sets the minibatch: it grows fast
+            raise ContractError(f"--world-size x --accum-steps x --group-size x --max-new-tokens ask for a minibatch of "
+                                f"{cells} tokens (more than {MAX_CELLS}); audit fewer or smaller layouts")
         splits = _splits(args)
         convention = Convention(args.scale_by_accum, args.reduction, args.cp_reduction or "mean",
                                 args.pipeline_combine or "sum")

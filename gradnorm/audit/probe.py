@@ -128,7 +128,14 @@ def minibatch_size(layouts: Sequence[int], group_size: int) -> int:
 
 
 def _one_line(err: BaseException) -> str:
+    if isinstance(err, SystemExit):  # sys.exit(code) in the user's code: name the code it passed
+        return f"SystemExit({err.code!r})"
     return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+USER_EXITS = (Exception, SystemExit, KeyboardInterrupt)
+"""What the user's module or loss may raise that is its failure, not the audit's verdict: sys.exit(0)
+must not make the audit exit 0, a KeyboardInterrupt it raises must not print a traceback."""
 
 
 _loaded_files = itertools.count()  # makes every loaded file's module name unique
@@ -177,7 +184,7 @@ def load_loss(spec: str) -> Callable:
             module = importlib.import_module(where)
     except ContractError:
         raise
-    except Exception as err:  # whatever the user's module raises on import
+    except USER_EXITS as err:  # whatever the user's module raises (or exits with) on import
         raise ContractError(f"cannot import {where}: {_one_line(err)}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
@@ -267,7 +274,7 @@ def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor) ->
                                 f"advantages, mask and, by name, any of: {', '.join(COUNTS)}") from None
         try:
             loss = loss_fn(leaf, leaf.detach().clone(), adv, mask, **asked)
-        except Exception as err:
+        except USER_EXITS as err:
             raise ContractError(f"the loss raised {_one_line(err)} {where}") from None
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__

@@ -71,13 +71,66 @@ def setup(backend: str | None = None, device: str | None = None, timeout_s: floa
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    global _store
+    try:  # a client of the rendezvous store (torchrun's agent holds it): where a failing rank leaves its error
+        _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=datetime.timedelta(seconds=min(timeout_s, 30)))
+    except (RuntimeError, ValueError, KeyError):
+        _store = None
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
 
 
 def teardown() -> None:
     """Leave the process group (call from a ``finally``)."""
+    global _store
+    _store = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ a failure on one rank, told to every rank
+#
+# A rank that fails while its peers wait in a collective (a reward that raises on rank 1 only)
+# leaves its one-line message in the rendezvous store, then leaves the process group: gloo closes
+# its connections, so the peers' collective fails at once (instead of after --timeout-s) with a
+# RuntimeError ("Connection reset by peer"). A peer that sees that error reads the store and
+# reports the failing rank's message instead of its own traceback.
+
+_store = None
+ERROR_KEY = "gradnorm/error/{rank}"
+
+
+def post_error(message: str) -> None:
+    """Leave this rank's error for the others, then leave the process group (gloo: the peers' wait ends now)."""
+    if _store is not None and _active():
+        try:
+            _store.set(ERROR_KEY.format(rank=dist.get_rank()), message)
+        except RuntimeError:  # the store is gone with rank 0 or the agent: nobody left to tell
+            pass
+    if _active() and dist.get_backend() == "gloo":  # NCCL's destroy can block on a peer; its timeout ends the wait
+        teardown()
+
+
+def posted_errors(world_size: int) -> dict[int, str]:
+    """{rank: message} of the ranks that failed and said so (``post_error``); {} without a store."""
+    found = {}
+    for rank in range(world_size):
+        key = ERROR_KEY.format(rank=rank)
+        try:
+            if _store is not None and _store.check([key]):
+                found[rank] = _store.get(key).decode(errors="replace")
+        except RuntimeError:
+            break
+    return found
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because of a peer: it died, left, or timed out."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(s in text for s in (
+        "third_party/gloo", "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL"))
 
 
 def _active() -> bool:

@@ -65,7 +65,15 @@ def _user_frames(err: BaseException) -> str:
 
 
 def _describe(err: BaseException) -> str:
+    if isinstance(err, SystemExit):  # sys.exit(code) in user code: name the code, never pass it on
+        return f"SystemExit({err.code!r})"
     return f"{type(err).__name__}({str(err)!r})"
+
+
+USER_EXITS = (Exception, SystemExit, KeyboardInterrupt)
+"""What user code may raise that is its failure: sys.exit(0) or a KeyboardInterrupt it raises itself
+must not end the trainer with exit 0 or a traceback (a real Ctrl-C never raises in the trainer:
+``guards.catch_signals`` turns it into a stop request)."""
 
 
 def get_reward(name: str) -> RewardFn:
@@ -85,7 +93,7 @@ def get_reward(name: str) -> RewardFn:
             raise RewardError(f"--reward {name!r}: cannot import it (no module named {err.name!r} on sys.path or "
                               "PYTHONPATH)") from None
         raise RewardError(f"reward function {name} failed to import: {_describe(err)}", err) from None
-    except Exception as err:  # a syntax error or an exception at import time, in the user's module
+    except USER_EXITS as err:  # a syntax error, an exception or sys.exit() at import time, in the user's module
         raise RewardError(f"reward function {name} failed to import: {_describe(err)}", err) from None
     fn = getattr(module, attr, None)
     if fn is None:
@@ -111,7 +119,7 @@ def call_reward(fn: RewardFn, response: str, answer: str, index: int) -> float:
     """``fn(response, answer)`` as a finite float; a RewardError naming the sequence otherwise."""
     try:
         value = fn(response, answer)
-    except Exception as err:
+    except USER_EXITS as err:
         raise RewardError(f"reward function {reward_name(fn)} raised {_describe(err)} on sequence {index} "
                           f"(answer {answer!r})", err) from None
     if isinstance(value, torch.Tensor) and value.numel() == 1:

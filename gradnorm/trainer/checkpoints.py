@@ -342,9 +342,22 @@ def start_or_resume(cfg: TrainConfig, policy: Policy, task: Task, ckpt_path: Pat
 
 
 
-def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext) -> None:
-    """Write ckpt_step{N}/: every rank its own shards, in parallel, nothing gathered on one rank."""
-    save(out, run.step, dist_state.training_state(model, opt, ref), asdict(run), ctx.rank)
+def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext, record: dict | None = None) -> None:
+    """Write ckpt_step{N}/: every rank its own shards, in parallel, nothing gathered on one rank.
+
+    ``record``, the step's line of metrics.jsonl, goes into trainer_state.json too: a resume whose
+    metrics.jsonl lost that line (torn, or never reached the disk) restores it from there.
+    """
+    counters = asdict(run) if record is None else {**asdict(run), "record": record}
+    save(out, run.step, dist_state.training_state(model, opt, ref), counters, ctx.rank)
+
+
+def saved_record(path: Path | None) -> dict | None:
+    """The metrics record a checkpoint holds of its own step (None: none, or an older checkpoint)."""
+    if path is None:
+        return None
+    record = read_run_state(path, required=()).get("record")
+    return record if isinstance(record, dict) else None
 
 
 

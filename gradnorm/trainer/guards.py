@@ -79,7 +79,9 @@ long (a policy may produce that at any step), and it counts only the largest ten
     training = a microbatch's logits mb R V (b + 4 + 4) (logits, fp32 log-softmax, its gradient)
                + activations L mb (P + R) d b c, c = 4 tensors of width d per layer (1 with
                gradient checkpointing); mb = S / (W A)
-    peak     = static + max(rollout, training)
+    eval     = the rollout's KV cache and prefill logits for S_eval = --eval-prompts sequences
+    warmup   = (built-in model) B (P + R) V (b + 8) + 4 L B (P + R) d b, B = --warmup-batch
+    peak     = static + max(rollout, training, eval, warmup)
 
 with b = 2 bytes under bf16 autocast, else 4. A Hugging Face model's prompt length P is taken as
 1 before its tokenizer has run, and a Hub id's shape is unknown before it downloads: no estimate.
@@ -87,6 +89,7 @@ with b = 2 bytes under bf16 autocast, else 4. A Hugging Face model's prompt leng
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 import time
@@ -153,13 +156,41 @@ def failed_step(err: BaseException, loop: CodeType) -> int | None:
     return None
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """CUDA's or Python's out-of-memory error, or torch's CPU allocator failing (a plain RuntimeError)."""
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err))
+
+
 def explain(err: BaseException, device: torch.device, step: int | None) -> str:
     """The message of an error that stopped a run at ``step`` (None: before the first step)."""
     where = "" if step is None else f"step {step}: "
-    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+    if out_of_memory(err):
         first = first_line(err, 160)
         return f"{where}out of memory on {device} ({first}); {MEMORY_ADVICE}; the checkpoints written so far are intact"
     return where + str(err)
+
+
+def peer_failure(posted: dict[int, str], err: BaseException, rank: int, world_size: int, timeout_s: float,
+                 step: int | None) -> str:
+    """The message of a collective that failed on this rank because of a peer.
+
+    ``posted`` holds the errors failing ranks left (``comm.post_error``): the lowest other rank's
+    is the cause. Without one the peer died (SIGKILL, a crash in C++) or hangs: say which rank
+    when W = 2, and how long it was waited for.
+    """
+    others = {r: message for r, message in posted.items() if r != rank}
+    if others:
+        first = min(others)
+        return f"rank {first}: {others[first]}"
+    where = "" if step is None else f"step {step}: "
+    who = f"rank {1 - rank}" if world_size == 2 else "another rank"
+    text = first_line(err, 300)
+    why = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]  # gloo's source location and advice out
+    if "Timed out" in text or "timed out" in text.lower():
+        return (f"{where}{who} stopped responding after {timeout_s:g} s (--timeout-s) in a collective ({why}); its "
+                "own output says why, or it hangs; raise --timeout-s if one of its steps may take that long")
+    return f"{where}{who} died or left the process group ({why}); its own output, or the launcher's, says why"
 
 
 # ------------------------------------------------------------------ preemption: Preemption: on SIGTERM or SIGINT every rank finishes its optimizer step, checkpoints and exits.
@@ -174,8 +205,12 @@ DUPLICATE_S = 1.0
 class Stopped(Exception):
     """Raised by the trainer after the checkpoint of the step at which the ranks agreed to stop."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path):
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
         self.signum, self.step, self.checkpoint = signal.Signals(signum), step, checkpoint
+        if checkpoint is None:  # the first step of an --overwrite run: nothing of it is kept
+            super().__init__(f"stopped by {self.signum.name} after step {step}, the first of this --overwrite run: "
+                             "no checkpoint written, so the run it replaced is kept (put back in --output-dir)")
+            return
         super().__init__(f"stopped by {self.signum.name} after step {step}: checkpoint {checkpoint} written; "
                          "continue with --resume")
 
@@ -291,9 +326,9 @@ def launch_environment(environ=os.environ) -> tuple[int, int]:
     present = [name for name in TORCHRUN_VARS if name in environ]
     if not {"RANK", "WORLD_SIZE"} & set(present):
         return 0, 1
+    given = " ".join(f"{name}={environ[name]}" for name in present)
     missing = [name for name in TORCHRUN_VARS if name not in environ]
     if missing:
-        given = " ".join(f"{name}={environ[name]}" for name in present)
         raise ValueError(f"the environment sets {given} but not {', '.join(missing)}: a leftover of another launch? "
                          f"unset {' '.join(present)} to run one process, or launch with torchrun")
     try:
@@ -304,13 +339,24 @@ def launch_environment(environ=os.environ) -> tuple[int, int]:
     if not 0 <= rank < world_size or not 0 < port < 65536:
         raise ValueError(f"RANK={rank} WORLD_SIZE={world_size} MASTER_PORT={port}: expected 0 <= RANK < WORLD_SIZE "
                          "and a port in 1..65535; launch with torchrun")
+    if not launched_by_an_agent(environ):  # else it would wait --timeout-s for ranks that never come, in silence
+        raise ValueError(f"the environment sets {given} but no launcher started this process (no TORCHELASTIC_RUN_ID "
+                         "from torchrun, no SLURM_PROCID equal to RANK): a leftover of another launch? unset "
+                         f"{' '.join(present)} to run one process, or launch with torchrun")
     return rank, world_size
+
+
+def launched_by_an_agent(environ=os.environ) -> bool:
+    """Whether a launcher started this process: torchrun's agent (TORCHELASTIC_RUN_ID, which a shell
+    never exports), or srun with RANK mapped from SLURM_PROCID. A complete set of torchrun's
+    variables without either is a stale shell."""
+    return "TORCHELASTIC_RUN_ID" in environ or environ.get("SLURM_PROCID", "") == environ.get("RANK")
 
 
 def error_rank(environ=os.environ) -> int:
     """Who this process is when reporting an error: torchrun's RANK in a complete torchrun environment, else 0."""
     complete = all(name in environ for name in TORCHRUN_VARS) and environ["RANK"].isdigit()
-    return int(environ["RANK"]) if complete else 0
+    return int(environ["RANK"]) if complete and launched_by_an_agent(environ) else 0
 
 
 def device_of(cfg: TrainConfig, environ=os.environ) -> torch.device:
@@ -323,6 +369,7 @@ def device_of(cfg: TrainConfig, environ=os.environ) -> torch.device:
 def check_output_dir(path: str) -> None:
     """--output-dir exists as a writable directory, or can be created (nothing is left behind)."""
     absolute = Path(os.path.abspath(path))
+    _check_resolvable(path, absolute)
     for root in VIRTUAL_FILESYSTEMS:
         if absolute == Path(root) or Path(root) in absolute.parents:
             raise ValueError(f"--output-dir {path} is under {root}, a virtual filesystem; choose a directory on disk")
@@ -340,6 +387,28 @@ def check_output_dir(path: str) -> None:
     except OSError as err:
         what = "" if probe == absolute else f" (its nearest existing parent {probe})"
         raise ValueError(f"--output-dir {path}{what} is not writable: {err.strerror}") from None
+
+
+def _check_resolvable(path: str, absolute: Path) -> None:
+    """Every component fits the filesystem's name limit, and none is a dangling symlink or a loop."""
+    existing = next(p for p in [absolute, *absolute.parents] if os.path.isdir(p))
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in absolute.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(f"--output-dir {path}: the name {part[:20]}... is {len(os.fsencode(part))} bytes long, "
+                             f"more than this filesystem allows ({name_max}); choose a shorter name")
+    for p in [absolute, *absolute.parents]:
+        if os.path.islink(p):
+            try:
+                os.stat(p)
+            except OSError as err:
+                what = "a symlink loop" if err.errno == errno.ELOOP else f"a dangling symlink (to {os.readlink(p)})"
+                where = "is" if p == absolute else f"cannot be created: {p} is"
+                raise ValueError(f"--output-dir {path} {where} {what}; fix or remove the link, or choose "
+                                 "another --output-dir") from None
 
 
 def check_prompts(path: str) -> None:
@@ -515,10 +584,15 @@ def estimate(cfg: TrainConfig, shape: dict, world_size: int, device_type: str) -
     S_roll = cfg.prompts_per_step * cfg.minibatches_per_rollout * cfg.group_size
     mb = math.ceil(cfg.sequences_per_step / (world_size * cfg.grad_accum_steps))
     rescored = cfg.updates_per_rollout > 1 or cfg.beta > 0
+    S_eval, B_warm, T = cfg.eval_prompts, cfg.warmup_batch if cfg.builtin else 0, P + R
     return {
         "static": 16 * N // (world_size if cfg.parallel == "fsdp" else 1) + (4 * N if cfg.beta > 0 else 0),
         "rollout": 2 * L * S_roll * (P + R) * d_kv * b + S_roll * P * V * b + (S_roll * R * V * (b + 4) if rescored else 0),
         "training": mb * R * V * (b + 8) + L * mb * (P + R) * d * b * (1 if cfg.gradient_checkpointing else 4),
+        # the reward before and after the warm-up: one response for each of --eval-prompts, on every rank
+        "eval": 2 * L * S_eval * T * d_kv * b + S_eval * P * V * b,
+        # the built-in model's supervised warm-up: whole sequences, logits with their log-softmax and gradient
+        "warmup": B_warm * T * V * (b + 8) + 4 * L * B_warm * T * d * b,
     }
 
 
@@ -542,7 +616,11 @@ ADVICE = {
                "--minibatches-per-rollout or --max-new-tokens",
     "training": "raise --grad-accum-steps or the number of ranks, lower --max-new-tokens, or (a Hugging Face "
                 "model) add --gradient-checkpointing",
+    "eval": "every rank samples one response per evaluation prompt: lower --eval-prompts or --max-new-tokens",
+    "warmup": "the warm-up trains on whole sequences in one batch: lower --warmup-batch",
 }
+WHAT = {"eval": "--eval-prompts {cfg.eval_prompts}", "warmup": "--warmup-batch {cfg.warmup_batch}"}
+"""The flags behind a part of the estimate, for its error line (the rest: the batch of a step)."""
 
 
 def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing: int = 1) -> None:
@@ -551,14 +629,14 @@ def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing:
     if shape is None:
         return
     parts = estimate(cfg, shape, world_size, device.type)
-    need = parts["static"] + max(parts["rollout"], parts["training"])
+    need = parts["static"] + max(v for k, v in parts.items() if k != "static")
     free = available(device) // (sharing if device.type == "cpu" else 1)
     if need <= free:
         return
     worst = max(parts, key=parts.get)
+    flags = WHAT.get(worst, "--prompts-per-step {cfg.prompts_per_step} x --group-size {cfg.group_size}").format(cfg=cfg)
     raise ValueError(f"this configuration needs at least {size(need)} per rank on {device} ({worst} "
-                     f"{size(parts[worst])}: --prompts-per-step {cfg.prompts_per_step} x --group-size "
-                     f"{cfg.group_size}, --max-new-tokens {cfg.max_new_tokens}), but {size(free)} are free; "
+                     f"{size(parts[worst])}: {flags}, --max-new-tokens {cfg.max_new_tokens}), but {size(free)} are free; "
                      f"{ADVICE[worst]}")
 
 
@@ -571,5 +649,12 @@ def size(n: int) -> str:
 
 
 def local_ranks(environ=os.environ) -> int:
-    """Processes of this job on this host (torchrun's LOCAL_WORLD_SIZE), which share its RAM."""
-    return int(environ.get("LOCAL_WORLD_SIZE", "1")) if environ.get("LOCAL_WORLD_SIZE", "1").isdigit() else 1
+    """Processes of this job on this host (torchrun's LOCAL_WORLD_SIZE), which share its RAM; 1 for a
+    plain process, whatever a stale shell exports. A one-line ValueError for a value that is not >= 1."""
+    value = environ.get("LOCAL_WORLD_SIZE", "1")
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return 1
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise ValueError(f"LOCAL_WORLD_SIZE={value}: expected the number of processes of this job on this host (an "
+                         "integer >= 1); launch with torchrun, which sets it")
+    return int(value)

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from fractions import Fraction
 import torch
 import json
 import os
@@ -95,6 +96,7 @@ import socket
 import sys
 from pathlib import Path
 from gradnorm.core.errors import first_line
+from gradnorm.core.denominators import parse_denominator
 from gradnorm.trainer.checkpoints import latest_checkpoint
 from gradnorm.trainer.config import changeable_on_resume
 from gradnorm.trainer.config import TrainConfig
@@ -318,11 +320,38 @@ def read_config(out: Path) -> dict | None:
     return config
 
 
+PATH_FLAGS = ("model", "prompts", "output_dir", "export_hf")
+"""Flags that name a file or directory: the same one by another path is no change."""
+
+
+def _same(name: str, old, new) -> bool:
+    """Whether a flag's old and new values mean the same: files by what they resolve to (``./p.jsonl``
+    and its absolute path), numbers by value (``1e3`` and ``1000`` as --loss-denominator)."""
+    if old == new:
+        return True
+    if name in PATH_FLAGS and isinstance(old, str) and isinstance(new, str):
+        try:
+            return os.path.samefile(old, new) or os.path.realpath(old) == os.path.realpath(new)
+        except (OSError, ValueError):  # one of them is not there (a Hub id, a moved file): compare the paths
+            return os.path.realpath(old) == os.path.realpath(new)
+    if name == "loss_denominator":
+        try:
+            return parse_denominator(old) == parse_denominator(new)
+        except ValueError:
+            return False
+    numbers = (any(isinstance(v, (int, float)) for v in (old, new))
+               and all(isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in (old, new)))
+    try:  # exact: two large seeds one apart are two seeds, though equal as floats
+        return numbers and Fraction(old) == Fraction(new)
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return False
+
+
 def changed_flags(cfg: TrainConfig, old: dict) -> dict[str, list]:
     """{field: [old value, new value]} for every flag that differs from the old run's config.json."""
     new = cfg.to_dict()
     return {name: [old[name], value] for name, value in new.items()
-            if name in old and old[name] != value and name not in ("resume", "overwrite")}  # how, not what
+            if name in old and not _same(name, old[name], value) and name not in ("resume", "overwrite")}  # how, not what
 
 
 def compare_resumed(cfg: TrainConfig, old: dict | None) -> None:
@@ -363,23 +392,32 @@ BAR_PHASES = ("rollout", "forward_backward", "optimizer")
 """Phase times (gradnorm.trainer.run) the progress bar shows beside the reward."""
 
 
-def open_run_files(out: Path, cfg: TrainConfig, world_size: int, step: int, warmup: dict):
-    """config.json (with its history), warmup.json, and metrics.jsonl opened for appending after ``step``."""
+def open_run_files(out: Path, cfg: TrainConfig, world_size: int, step: int, warmup: dict, record: dict | None = None):
+    """config.json (with its history), warmup.json, and metrics.jsonl opened for appending after ``step``
+    (``record``: the checkpoint's copy of the line of ``step``)."""
     out.mkdir(parents=True, exist_ok=True)
     write_config(out, cfg, world_size, step)
     (out / "warmup.json").write_text(json.dumps(warmup, indent=2) + "\n")
-    return open_metrics(out / "metrics.jsonl", step)
+    return open_metrics(out / "metrics.jsonl", step, record)
 
 
-def open_metrics(path: Path, keep_through_step: int):
+def sync(metrics) -> None:
+    """metrics.jsonl's lines on disk, not only in the page cache: called before each checkpoint."""
+    metrics.flush()
+    os.fsync(metrics.fileno())
+
+
+def open_metrics(path: Path, keep_through_step: int, record: dict | None = None):
     """metrics.jsonl for appending, cut back to the steps <= ``keep_through_step`` (0: a fresh file).
 
     A resumed run's file may be missing (it starts again after the checkpoint's step), end in a
     torn line (a crash mid-write) or hold lines that are not records (edited by hand): those lines
-    are dropped with a warning naming the file and the line. The cut file replaces the old one
-    atomically, so a crash now loses nothing.
+    are dropped with a warning naming the file and the line. The line of the checkpoint's own step
+    is never lost silently: when it is gone, ``record`` (the checkpoint's copy of it) takes its
+    place, or a warning says it is lost (a checkpoint of an earlier version holds no copy). The cut
+    file replaces the old one atomically, so a crash now loses nothing.
     """
-    kept = []
+    kept, logged = [], set()
     if keep_through_step > 0 and not path.exists():
         print(f"warning: {path} is missing; it starts again at step {keep_through_step + 1}", file=sys.stderr, flush=True)
     elif keep_through_step > 0:
@@ -396,8 +434,19 @@ def open_metrics(path: Path, keep_through_step: int):
                 print(f"warning: {path}:{number}: dropped {why}", file=sys.stderr, flush=True)
             elif step <= keep_through_step:
                 kept.append(line)
+                logged.add(step)
+        if keep_through_step not in logged and record is not None and record.get("step") == keep_through_step:
+            kept.append(json.dumps(record))
+            print(f"warning: {path}: the record of step {keep_through_step} was torn or missing; restored from "
+                  "its checkpoint", file=sys.stderr, flush=True)
+        elif keep_through_step not in logged:
+            print(f"warning: {path}: the record of step {keep_through_step} is torn or missing and its checkpoint "
+                  "holds no copy (an earlier version wrote it): that step has no line", file=sys.stderr, flush=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return open(path, "a")
 

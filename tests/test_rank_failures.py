@@ -1,0 +1,87 @@
+"""A failure on one rank reaches every rank as one line: rank 0 prints the failing rank's message,
+or names the rank that stopped responding, and no rank prints a traceback.
+
+Two real torchrun launches of 2 gloo ranks (the built-in task, a few steps), started together:
+a reward that raises on rank 1 only, in its rollout of step 2 (before: rank 1 waited 30 s, then rank 0
+died in a gloo "Connection reset by peer" traceback), and a rank 1 that hangs in that rollout,
+so that rank 0's next collective times out after --timeout-s (before: a gloo "Timed out" traceback).
+Faults are injected by a wrapper script, not by a hook in the trainer.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradnorm.teach.launch import torchrun_command
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "--eval-prompts", "2",
+        "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--no-plot", "--steps", "3", "--timeout-s", "10"]
+
+# Rank 1's rewards: the pre-training evals call the reward twice, the rollout of step 1 once; the
+# 4th call (step 2's rollout) raises as a user's reward does, or hangs.
+FAULTY = '''
+import os, sys, time
+from gradnorm.tasks import repeat
+from gradnorm.tasks.rewards import call_reward
+from gradnorm.train import main
+
+honest, calls = repeat.RepeatTask.reward, []
+
+def user_score(response, answer):
+    raise ValueError("my reward server is down")
+
+def reward(self, response_ids, answers):
+    calls.append(None)
+    if os.environ["RANK"] == "1" and len(calls) == 4:
+        if os.environ["FAULT"] == "raise":
+            call_reward(user_score, "response", "a", 0)
+        time.sleep(600)
+    return honest(self, response_ids, answers)
+
+repeat.RepeatTask.reward = reward
+sys.exit(main())
+'''
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rank_failures")
+    (base / "faulty.py").write_text(FAULTY)
+    procs = {}
+    for fault in ("raise", "hang"):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd = torchrun_command(2, *TINY, "--output-dir", str(base / fault), script=base / "faulty.py")
+        procs[fault] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+    return {fault: (proc, *proc.communicate(timeout=300)) for fault, proc in procs.items()}
+
+
+def workers_lines(stderr: str) -> list[str]:
+    """stderr without torchrun's own report (its lines and its ChildFailedError traceback)."""
+    lines = stderr.splitlines()
+    if any(line.startswith("Traceback") and "torch/distributed/run.py" in stderr for line in lines):
+        lines = lines[:next(i for i, line in enumerate(lines) if line.startswith("Traceback"))]
+    return [line for line in lines if not line.startswith(("W", "E", "I")) or line.startswith("error: ")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, says", [
+    ("raise", "error: rank 1: step 2: reward function __main__:user_score raised ValueError('my reward server is "
+              "down') on sequence 0 (answer 'a')"),
+    ("hang", "error: step 2: rank 1 stopped responding after 10 s (--timeout-s) in a collective (Timed out waiting"),
+])
+def test_a_failure_on_rank_1_is_rank_0s_one_line_and_no_rank_prints_a_traceback(fault, says, launches):
+    proc, out, err = launches[fault]
+    assert proc.returncode != 0, err
+    mine = workers_lines(err)
+    errors = [line for line in mine if line.startswith("error: ")]
+    assert errors and errors[0].startswith(says), err
+    assert len(errors) == 1, err
+    # Only torchrun's own ChildFailedError report may hold a traceback, after every worker has ended.
+    assert "Traceback" not in "\n".join(mine), err
+    assert err.count("Traceback") <= 1 and "RuntimeError" not in err and "gloo/transport" not in err, err

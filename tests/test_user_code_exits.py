@@ -1,0 +1,75 @@
+"""User code that calls sys.exit() or raises KeyboardInterrupt fails in one line; it never ends a
+command with its own exit code (0 would read as success) or with a traceback.
+
+The reward of the trainer (gradnorm.tasks.rewards, which the pre-training eval and every rollout
+call) and the loss of the audit (gradnorm.audit.probe, at import and at every call) are the user
+code; each case below is what a careless function does.
+"""
+
+import sys
+import textwrap
+
+import pytest
+
+from gradnorm.audit.cli import main as audit
+from gradnorm.tasks.rewards import RewardError, call_reward, get_reward
+
+
+def exits_0(response, answer):
+    sys.exit(0)
+
+
+def exits_3(response, answer):
+    sys.exit(3)
+
+
+def interrupts(response, answer):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("fn, says", [
+    (exits_0, "raised SystemExit(0) on sequence 2 (answer '7')"),
+    (exits_3, "raised SystemExit(3) on sequence 2 (answer '7')"),
+    (interrupts, "raised KeyboardInterrupt('') on sequence 2 (answer '7')"),
+])
+def test_a_reward_that_exits_or_interrupts_is_a_reward_error(fn, says):
+    with pytest.raises(RewardError) as caught:
+        call_reward(fn, "response", "7", 2)
+    assert f"reward function {__name__}:{fn.__name__} {says}" == caught.value.summary
+
+
+def test_a_reward_module_that_exits_at_import_is_a_reward_error(tmp_path, monkeypatch):
+    (tmp_path / "exiting_reward_module.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError) as caught:
+        get_reward("exiting_reward_module:score")
+    assert caught.value.summary == "reward function exiting_reward_module:score failed to import: SystemExit(0)"
+
+
+LOSSES = '''
+import sys
+
+def exits_0(logp, old_logp, advantages, mask):
+    sys.exit(0)
+
+def exits_3(logp, old_logp, advantages, mask):
+    sys.exit(3)
+
+def interrupts(logp, old_logp, advantages, mask):
+    raise KeyboardInterrupt("stop")
+'''
+
+
+@pytest.mark.parametrize("source, name, says", [
+    (LOSSES, "exits_0", "the loss raised SystemExit(0) (W=1 A=1"),
+    (LOSSES, "exits_3", "the loss raised SystemExit(3) (W=1 A=1"),
+    (LOSSES, "interrupts", "the loss raised KeyboardInterrupt: stop (W=1 A=1"),
+    ("import sys\nsys.exit(0)\n", "f", "exiting_at_import.py: SystemExit(0)"),
+])
+def test_an_audited_loss_that_exits_or_interrupts_is_exit_2_and_one_line(source, name, says, tmp_path, capsys):
+    path = tmp_path / ("losses.py" if source is LOSSES else "exiting_at_import.py")
+    path.write_text(textwrap.dedent(source))
+    code = audit([f"{path}:{name}", "--world-size", "2", "--accum-steps", "1", "--sharding", "interleave"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out, err)
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
