@@ -490,8 +490,8 @@ def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
 
     timed = [p for p in BAR_PHASES if record.get(f"time_{p}_s") is not None]  # where the step's time went
     bar.update(1)
-    bar.set_postfix(reward=show("reward_mean", ".3f"), skew=show("skew_max", ".2f") + "x",
-                    tok_s=show("tokens_per_second", ".0f"),
+    skew = {"skew": f"{record['skew_max']:.2f}x"} if record.get("skew_max") is not None else {}  # local's loudest token
+    bar.set_postfix(reward=show("reward_mean", ".3f"), **skew, tok_s=show("tokens_per_second", ".0f"),
                     **{p: show(f"time_{p}_s", ".2f") + "s" for p in timed})
     step = record["step"]
     if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
