@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             train(cfg, ctx, ckpt_path)
             succeeded = True
+        except guards.InputError as err:  # bad input that needed the model to be seen: like preflight's
+            guards.report_error(str(err), ctx.rank)
+            return 2
         except (ValueError, TrainingError, checkpoints.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
             # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
             step = None if isinstance(err, TrainingError) else guards.failed_step(err, train.__code__)  # it says

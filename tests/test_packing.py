@@ -184,3 +184,37 @@ def test_the_logged_skew_against_a_longhand_computation():
     assert 0 < got["padding_fraction"] < 1
     assert steps.skew(batch_, plan, TrainConfig(shard="length", grad_accum_steps=2, pack=True))["padding_fraction"] \
         < got["padding_fraction"]  # packing computes fewer positions
+
+
+# ------------------------------------------------------------------ bad input that needs the model
+
+
+def test_a_hugging_face_run_checks_its_budget_and_its_packing_with_exit_code_2(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from tiny_models import build_tiny_llama
+
+    from gradnorm.train import main
+    from gradnorm.trainer import policy as policy_module
+
+    model_dir = build_tiny_llama(tmp_path / "tiny-llama", seed=0)
+    capsys.readouterr()  # the builder's progress bars
+    prompts = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic.jsonl")
+    flags = ["--model", str(model_dir), "--prompts", prompts, "--prompts-per-step", "2", "--group-size", "2",
+             "--max-new-tokens", "8", "--steps", "1", "--no-plot", "--export-hf", "none"]
+    assert main([*flags, "--microbatch-tokens", "10", "--output-dir", str(tmp_path / "a")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]  # transformers' bar
+    assert len(err) == 1 and "--microbatch-tokens 10 is smaller than the longest sequence" in err[0], err
+    # --pack on a model that packs correctly trains; the control, one whose packed attention crosses
+    # from sequence to sequence (positions that never restart), is refused in one line
+    assert main([*flags, "--pack", "--output-dir", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+
+    def crossing(self, module, rows):
+        running = torch.arange(rows.tokens.shape[1], device=rows.tokens.device).expand_as(rows.tokens)
+        return module(input_ids=rows.tokens, position_ids=running, use_cache=False).logits
+
+    monkeypatch.setattr(policy_module.HFPolicy, "packed_logits", crossing)
+    assert main([*flags, "--pack", "--output-dir", str(tmp_path / "c")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(err) == 1 and "cannot take packed rows" in err[0], err

@@ -125,6 +125,11 @@ MEMORY_ADVICE = ("raise --grad-accum-steps or the number of ranks, lower --promp
                  "--max-new-tokens, or (a Hugging Face model) add --gradient-checkpointing or --parallel fsdp")
 
 
+class InputError(ValueError):
+    """Bad input found only once the model or its tokenizer is loaded (the prompt length a budget must
+    hold, a model that cannot take packed rows): reported like a preflight error, exit code 2."""
+
+
 def report_error(message: str, rank: int) -> None:
     """Print ``error: message`` on stderr, rank 0 first.
 

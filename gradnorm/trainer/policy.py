@@ -49,6 +49,7 @@ from gradnorm.models.tinygpt import GPTConfig, TinyGPT, token_logprobs_and_entro
 from gradnorm.tasks import RepeatTask, Task
 from gradnorm.tasks.prompts import PromptTask
 from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.guards import InputError
 from gradnorm.trainer.rollout import seeded_generator
 
 
@@ -122,7 +123,13 @@ class HFPolicy:
 
 
 def build_policy(cfg: TrainConfig, device: torch.device) -> tuple[Task, Policy]:
-    """(task, policy): the built-in task and TinyGPT, or JSONL prompts and a Hugging Face model."""
+    """(task, policy): the built-in task and TinyGPT, or JSONL prompts and a Hugging Face model.
+
+    With a Hugging Face model two flags can only be checked here, each a one-line ``InputError``
+    (exit code 2): a --microbatch-tokens budget must hold the longest sequence (the prompt length
+    comes from the tokenizer, before the weights load), and --pack needs a model whose attention
+    stays inside each sequence of a packed row (``check_packs``, once the model is loaded).
+    """
     if cfg.builtin:
         task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
         torch.manual_seed(cfg.seed)
@@ -130,9 +137,36 @@ def build_policy(cfg: TrainConfig, device: torch.device) -> tuple[Task, Policy]:
         return task, TinyGPTPolicy(model.to(device))
     tokenizer = hf.load_tokenizer(cfg.model)
     task = PromptTask.from_file(cfg.prompts, tokenizer, cfg.reward, cfg.max_new_tokens)
+    if cfg.microbatch_tokens and cfg.microbatch_tokens < task.block_size:
+        raise InputError(f"--microbatch-tokens {cfg.microbatch_tokens} is smaller than the longest sequence: a "
+                         f"{task.block_size}-token prompt + response (the longest prompt of {cfg.prompts}, "
+                         f"{task.prompt_len} tokens, + --max-new-tokens {cfg.max_new_tokens})")
     model = hf.load_causal_lm(cfg.model, task.tokenizer.pad_id, device=device,
                               gradient_checkpointing=cfg.gradient_checkpointing)
-    return task, HFPolicy(model.train(), tokenizer)
+    policy = HFPolicy(model.train(), tokenizer)
+    if cfg.pack:
+        check_packs(policy, cfg.model)
+    return task, policy
+
+
+@torch.no_grad()
+def check_packs(policy: Policy, name: str) -> None:
+    """An ``InputError`` unless two sequences packed in one row get the log-probs they get apart.
+
+    A model whose attention ignores restarted positions (no packed-sequence support) would let the
+    second sequence attend to the first: packed training would then be silently wrong.
+    """
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]], device=next(model.parameters()).device)
+    lengths = torch.tensor([3, 3], device=tokens.device)
+    packed = score_packed(policy, model, tokens, 3, lengths)[0]
+    apart = torch.cat([policy.score(model, tokens[i:i + 1], 3)[0] for i in range(2)])
+    model.train(was_training)
+    if not torch.allclose(packed.float(), apart.float(), rtol=1e-3, atol=1e-4):
+        raise InputError(f"--pack: {name} cannot take packed rows (its attention crosses from one sequence into "
+                         "the next, so packed log-probs differ from the padded ones); train it without --pack")
 
 
 def wrap_for_training(policy: Policy, parallel: wrap.ParallelKind, ctx: comm.DistContext) -> nn.Module:
