@@ -26,7 +26,7 @@ from gradnorm.dist import wrap
 from gradnorm.dist.spawn import spawn_gloo
 from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout, group_split, sequence_uniforms
-from gradnorm.models.sampling import NonFiniteLogitsError, decode, sample_next
+from gradnorm.models.sampling import DROP_AT, NonFiniteLogitsError, decode, sample_next
 from gradnorm.tasks import CharTokenizer, RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, KVCache, TinyGPT, generate
 
@@ -107,6 +107,16 @@ def test_control_the_old_batch_level_generator_ties_a_sequence_to_its_place_in_t
     assert torch.equal(old(slice(0, 12)), batch)  # while the batch itself is reproducible
 
 
+def decode_batch_sizes(B: int, running: list[int]) -> list[int]:
+    """Longhand: the batch of each forward (the prefill first) when running[t] rows are left after draw t."""
+    sizes = [B]
+    for left in running:
+        left = max(left, 1)  # a batch never empties: a finished row stands in
+        sizes.append(left if B - left >= DROP_AT * B else B)
+        B = sizes[-1]
+    return sizes
+
+
 class BatchSizes(TinyGPT):
     """Records the batch size of every forward pass (the prefill is the first)."""
 
@@ -130,10 +140,10 @@ def test_dropping_finished_rows_changes_no_token_while_the_batch_shrinks():
         # The rig is ragged: rows stop at several different steps and some never do.
         stops = {int((row == EOS).nonzero()[0]) if (row == EOS).any() else R for row in kept[:, P:]}
         assert len(stops) >= 4 and R in stops, stops
-        # The batch shrank as rows finished: one row fewer for every row that stopped before the end.
+        # The batch shrank as rows finished, in bunches of at least DROP_AT of it.
         running = [(kept[:, P : P + t + 1] == EOS).any(-1).logical_not().sum().item() for t in range(R - 1)]
-        assert model.sizes == [16] + running[: len(model.sizes) - 1], (model.sizes, running)
-        assert model.sizes[-1] < 16
+        assert model.sizes == decode_batch_sizes(16, running)[: len(model.sizes)], (model.sizes, running)
+        assert model.sizes[-1] < 8
 
 
 def test_a_rank_with_every_row_finished_keeps_stepping_on_one_row_in_lock_step():

@@ -25,6 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+DROP_AT = 1 / 8
+"""Finished rows leave the decode batch once they are this share of it (or all of it). Each drop
+copies the policy's per-row state (the KV cache of every row kept), so dropping one row at a time
+would copy the cache at almost every step; waiting for an eighth bounds the copies by a geometric
+series (7 caches at most) while at most an eighth of a step's rows are finished ones."""
+
+
 class NonFiniteLogitsError(ValueError):
     """The policy produced NaN or +inf logits while sampling: its weights have diverged."""
 
@@ -79,6 +86,7 @@ def decode(
     batch is unchanged. This changes no token: row i is still drawn from its own logits and
     ``uniforms[i]``, whichever rows share its batch. ``drop_finished=False`` keeps every row to the
     end (the loop before issue 27; for the A/B benchmark and the tests that compare the two).
+    Rows leave in bunches: once the finished ones are ``DROP_AT`` of the batch.
 
     Noise: ``uniforms`` (B, max_new_tokens), row i for row i (what the trainer passes); without
     it, one (B, max_new_tokens) block drawn up front from ``generator`` (on the generator's
@@ -123,7 +131,8 @@ def decode(
         if t == max_new_tokens - 1 or running == 0:
             break
         keep = None
-        if drop_finished and max(mine, 1) < len(rows):
+        dropped = len(rows) - max(mine, 1)  # a rank with no row left still steps on one
+        if drop_finished and dropped > 0 and dropped >= DROP_AT * len(rows):
             # ISSUE 27: drop the finished rows. A rank with none left still steps (lock-step under
             # FSDP2, whose forward is a collective) on one finished row, whose draws stay PAD.
             keep = live.nonzero().squeeze(1) if mine else live.new_zeros(1, dtype=torch.long)  # (B_{t+1},)
