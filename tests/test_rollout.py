@@ -128,6 +128,9 @@ class BatchSizes(TinyGPT):
 def test_dropping_finished_rows_changes_no_token_while_the_batch_shrinks():
     torch.manual_seed(0)
     model = BatchSizes(GPTConfig(vocab_size=V, block_size=P + R))
+    with torch.no_grad():  # sharpen the attention: at init q.k is ~0, and a row would barely notice wrong keys
+        for block in model.blocks:
+            block.attn.qkv.weight.mul_(10)
     prompts = torch.randint(3, V, (16, P), generator=torch.Generator().manual_seed(0))
     uniforms = sequence_uniforms(range(16), R, 0, "sample", 1)
     for use_cache in (True, False):
@@ -143,7 +146,7 @@ def test_dropping_finished_rows_changes_no_token_while_the_batch_shrinks():
         # The batch shrank as rows finished, in bunches of at least DROP_AT of it.
         running = [(kept[:, P : P + t + 1] == EOS).any(-1).logical_not().sum().item() for t in range(R - 1)]
         assert model.sizes == decode_batch_sizes(16, running)[: len(model.sizes)], (model.sizes, running)
-        assert model.sizes[-1] < 8
+        assert model.sizes[-1] <= 8  # half the batch or less by the end
 
 
 def test_a_rank_with_every_row_finished_keeps_stepping_on_one_row_in_lock_step():
