@@ -4,6 +4,9 @@ What must hold for the trainer to treat an HF model like TinyGPT:
 - the tiny model and tokenizer round-trip through ``--model <dir>`` (save_pretrained / from_pretrained);
 - sampling with the KV cache gives the tokens of sampling without it, and a seeded generator
   gives bit-identical rollouts (what makes rollouts independent of the world size);
+- dropping finished rows from the decode batch (issue 27: the cache, attention mask and positions
+  cut to the running rows) samples exactly the tokens of the loop that keeps every row, on a batch
+  whose rows stop at ragged steps, while the forward passes really run on fewer rows;
 - left padding changes nothing: a padded row's log-probs equal those of the row alone;
 - log-probs and entropies are fp32 and the gradient through padded rows is finite;
 - without transformers, a one-line error says how to install it.
@@ -74,6 +77,36 @@ def test_seeded_sampling_is_bit_identical_and_seed_dependent(policy):
     responses, eos = a[:, task.prompt_len:], task.tokenizer.eos_id
     after_eos = (torch.cumsum((responses == eos).long(), dim=1) - (responses == eos).long()) > 0
     assert (responses[after_eos] == task.tokenizer.pad_id).all()  # PAD after the first EOS
+
+
+def test_dropping_finished_rows_changes_no_token_while_the_batch_shrinks(policy):
+    from gradnorm.trainer.rollout import sequence_uniforms
+    from test_rollout import decode_batch_sizes  # tests/, on the path under pytest's rootdir imports
+
+    model, task = policy
+    prompts, _ = task.sample_prompts(16, torch.Generator().manual_seed(0))  # left-padded by different amounts
+    ids, R, P = task.tokenizer, task.max_new_tokens, task.prompt_len
+    uniforms = sequence_uniforms(range(16), R, 0, "sample", 1)
+    sizes = []
+    # A random model rarely says EOS: a bonus on its logit (the same for every row) makes stops ragged.
+    bonus = model.lm_head.register_forward_hook(lambda m, args, out: out + 2.5 * (torch.arange(out.shape[-1]) == ids.eos_id))
+    count = model.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
+                                            with_kwargs=True)
+    try:
+        kept = generate(model, prompts, R, ids.eos_id, ids.pad_id, uniforms=uniforms, drop_finished=False)
+        assert set(sizes) == {16}
+        for use_cache in (True, False):
+            sizes.clear()
+            dropped = generate(model, prompts, R, ids.eos_id, ids.pad_id, uniforms=uniforms, use_cache=use_cache)
+            assert torch.equal(dropped, kept), use_cache
+            running = [int((kept[:, P : P + t + 1] != ids.eos_id).all(-1).sum()) for t in range(R - 1)]
+            assert sizes == decode_batch_sizes(16, running)[: len(sizes)], (sizes, running)
+    finally:
+        bonus.remove()
+        count.remove()
+    stops = {int((row == ids.eos_id).nonzero()[0]) if (row == ids.eos_id).any() else R for row in kept[:, P:]}
+    assert len(stops) >= 4 and R in stops, stops  # ragged: several stopping steps, and rows that never stop
+    assert sizes[-1] < 16
 
 
 def test_left_padding_does_not_change_a_rows_log_probs(policy):

@@ -6,6 +6,10 @@ What must hold:
 - sequence i samples the same tokens alone, inside larger batches and in any order, given its own
   row of uniforms (TinyGPT, one thread); the control: the old batch-level generator, whose noise
   depends on the row's place in the batch, fails that same check; greedy decoding uses no noise;
+- dropping finished rows from the decode batch (issue 27) changes no token: on a batch whose rows
+  stop at ragged steps, the shrinking loop samples exactly what the loop that keeps every row
+  samples, with and without the KV cache, while its forward passes really run on fewer rows; a
+  rank whose rows have all finished keeps stepping on one row while the reduce says others run;
 - sharded generation on 2 real gloo ranks, with one rank's sequences all ending at once and the
   other's never, and with uneven and empty shares of the groups, assembles the global batch that
   one process samples, bit for bit; under FSDP2 both ranks decode the same number of steps (the
@@ -22,9 +26,9 @@ from gradnorm.dist import wrap
 from gradnorm.dist.spawn import spawn_gloo
 from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout, group_split, sequence_uniforms
-from gradnorm.models.sampling import NonFiniteLogitsError, decode, sample_next
+from gradnorm.models.sampling import DROP_AT, NonFiniteLogitsError, decode, sample_next
 from gradnorm.tasks import CharTokenizer, RepeatTask
-from gradnorm.models.tinygpt import GPTConfig, TinyGPT, generate
+from gradnorm.models.tinygpt import GPTConfig, KVCache, TinyGPT, generate
 
 V, P, R = 21, 5, 20
 PAD, EOS = 0, 2
@@ -103,6 +107,67 @@ def test_control_the_old_batch_level_generator_ties_a_sequence_to_its_place_in_t
     assert torch.equal(old(slice(0, 12)), batch)  # while the batch itself is reproducible
 
 
+def decode_batch_sizes(B: int, running: list[int]) -> list[int]:
+    """Longhand: the batch of each forward (the prefill first) when running[t] rows are left after draw t."""
+    sizes = [B]
+    for left in running:
+        left = max(left, 1)  # a batch never empties: a finished row stands in
+        sizes.append(left if B - left >= DROP_AT * B else B)
+        B = sizes[-1]
+    return sizes
+
+
+class BatchSizes(TinyGPT):
+    """Records the batch size of every forward pass (the prefill is the first)."""
+
+    def forward(self, idx, kv_cache=None, **kwargs):
+        self.sizes.append(idx.shape[0])
+        return super().forward(idx, kv_cache, **kwargs)
+
+
+def test_dropping_finished_rows_changes_no_token_while_the_batch_shrinks():
+    torch.manual_seed(0)
+    model = BatchSizes(GPTConfig(vocab_size=V, block_size=P + R))
+    with torch.no_grad():  # sharpen the attention: at init q.k is ~0, and a row would barely notice wrong keys
+        for block in model.blocks:
+            block.attn.qkv.weight.mul_(10)
+    prompts = torch.randint(3, V, (16, P), generator=torch.Generator().manual_seed(0))
+    uniforms = sequence_uniforms(range(16), R, 0, "sample", 1)
+    for use_cache in (True, False):
+        model.sizes = []
+        kept = generate(model, prompts, R, EOS, PAD, uniforms=uniforms, use_cache=use_cache, drop_finished=False)
+        assert set(model.sizes) == {16}
+        model.sizes = []
+        dropped = generate(model, prompts, R, EOS, PAD, uniforms=uniforms, use_cache=use_cache)
+        assert torch.equal(dropped, kept), use_cache
+        # The rig is ragged: rows stop at several different steps and some never do.
+        stops = {int((row == EOS).nonzero()[0]) if (row == EOS).any() else R for row in kept[:, P:]}
+        assert len(stops) >= 4 and R in stops, stops
+        # The batch shrank as rows finished, in bunches of at least DROP_AT of it.
+        running = [(kept[:, P : P + t + 1] == EOS).any(-1).logical_not().sum().item() for t in range(R - 1)]
+        assert model.sizes == decode_batch_sizes(16, running)[: len(model.sizes)], (model.sizes, running)
+        assert model.sizes[-1] <= 8  # half the batch or less by the end
+
+
+def test_a_rank_with_every_row_finished_keeps_stepping_on_one_row_in_lock_step():
+    prompts = torch.randint(3, V, (3, P), generator=torch.Generator().manual_seed(0))
+    says_eos = torch.full((3, V), -50.0)
+    says_eos[:, EOS] = 50.0
+    sizes = []
+
+    def advance(token, t, out, keep):
+        sizes.append(len(token))
+        return torch.zeros(len(token), V)  # anything: the finished row's draws stay PAD
+
+    other_rank_runs = lambda status: status + torch.tensor([1, 0])  # noqa: E731  (another rank never stops)
+    out = decode(prompts, says_eos, advance, R, EOS, PAD, uniforms=torch.rand(3, R), reduce=other_rank_runs)
+    assert sizes == [1] * (R - 1)  # every step, on one row
+    assert (out[:, P] == EOS).all() and (out[:, P + 1 :] == PAD).all()
+    sizes.clear()
+    decode(prompts, says_eos, advance, R, EOS, PAD, uniforms=torch.rand(3, R))
+    assert sizes == []  # alone, it stops at once
+
+
 def test_group_split_is_contiguous_even_and_covers_every_group():
     assert group_split(8, 2) == [range(0, 4), range(4, 8)]
     assert group_split(5, 2) == [range(0, 3), range(3, 5)]
@@ -128,12 +193,12 @@ def test_non_finite_logits_raise_a_named_value_error():
     # -inf is a token with probability 0, not an error; +inf is.
     ok = torch.zeros(2, V)
     ok[:, 5:] = ok[:, EOS] = float("-inf")  # never EOS: every row keeps sampling
-    out = decode(prompts, ok, lambda token, t, out: ok, R, EOS, PAD, uniforms=torch.rand(2, R))
+    out = decode(prompts, ok, lambda token, t, out, keep: ok, R, EOS, PAD, uniforms=torch.rand(2, R))
     assert (out[:, P:] < 5).all() and (out[:, P:] != EOS).all()
     bad = ok.clone()
     bad[1, 3] = float("inf")
     with pytest.raises(NonFiniteLogitsError):
-        decode(prompts, ok, lambda token, t, out: bad, R, EOS, PAD, uniforms=torch.rand(2, R))
+        decode(prompts, ok, lambda token, t, out, keep: bad, R, EOS, PAD, uniforms=torch.rand(2, R))
 
 
 # ------------------------------------------------------------------ sharded generation on 2 gloo ranks
@@ -150,6 +215,14 @@ class HalfA(RepeatTask):
         return prompts, [c * n for c, n in zip(letters, counts)]
 
 
+class RowFlagsCache(KVCache):
+    """The rig keeps a flag per row on its cache; the flags follow the rows the decode batch keeps."""
+
+    def keep(self, rows):
+        super().keep(rows)
+        self.stops = self.stops[rows]
+
+
 class StopsOnA(TinyGPT):
     """Says EOS at once after a prompt for the letter a, and never EOS after any other: an uneven finish.
 
@@ -157,6 +230,10 @@ class StopsOnA(TinyGPT):
     """
 
     calls = 0
+
+    def new_kv_cache(self, batch_size):
+        p = self.lm_head.weight
+        return RowFlagsCache(self.config, batch_size, device=p.device, dtype=p.dtype)
 
     def forward(self, idx, kv_cache=None):
         self.calls += 1

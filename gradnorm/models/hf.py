@@ -157,6 +157,7 @@ def generate(
     use_cache: bool = True,
     uniforms: Tensor | None = None,
     reduce=None,
+    drop_finished: bool = True,
 ) -> Tensor:
     """Sample up to ``max_new_tokens`` after each left-padded prompt; returns (B, P + max_new_tokens).
 
@@ -164,21 +165,30 @@ def generate(
     loop stops once every row has finished, and row i's tokens depend on its prompt and its row of
     ``uniforms`` alone. ``model`` is the plain module, or an FSDP2 module, whose forward is a
     collective: ranks that sample different sequences then pass ``reduce`` so that all of them run
-    the same number of steps. ``use_cache=False`` recomputes the full prefix at every step, for
-    tests of the cache.
+    the same number of steps. Finished rows leave the decode batch (the cache keeps the others with
+    its ``batch_select_indices``, the attention mask and positions follow) unless
+    ``drop_finished=False`` or the cache cannot select rows. ``use_cache=False`` recomputes the
+    full prefix at every step, for tests of the cache.
     """
     B, P = prompts.shape
     attention, positions = padding_positions(prompts, P, pad_id)  # (B, P) each
     cache_kw = _cache_kwarg(model)
     step = model(input_ids=prompts, attention_mask=attention, position_ids=positions, use_cache=use_cache)
     cache = _cache_of(step, cache_kw)
+    # A cache that cannot drop rows (not a transformers Cache, or an old one) keeps them all.
+    drop_finished = drop_finished and (not use_cache or hasattr(cache, "batch_select_indices"))
+    rows = torch.arange(B, device=prompts.device)  # (B_t,): the rows of out in the decode batch
 
-    def advance(token: Tensor, t: int, out: Tensor) -> Tensor:
-        nonlocal attention, positions, cache
-        attention = torch.cat([attention, attention.new_ones(B, 1)], dim=1)  # (B, P + t + 1)
+    def advance(token: Tensor, t: int, out: Tensor, keep: Tensor | None) -> Tensor:
+        nonlocal attention, positions, cache, rows
+        if keep is not None:  # rows have finished: every per-row tensor shrinks to keep
+            rows, attention, positions = rows[keep], attention[keep], positions[keep]
+            if use_cache:
+                cache.batch_select_indices(keep)
+        attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)  # (B_t, P + t + 1)
         positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
         if not use_cache:  # the whole prefix again
-            return model(input_ids=out[:, : P + t + 1], attention_mask=attention, position_ids=positions,
+            return model(input_ids=out[rows, : P + t + 1], attention_mask=attention, position_ids=positions,
                          use_cache=False).logits[:, -1]
         step = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions[:, -1:],
                      use_cache=True, **{cache_kw: cache})
@@ -186,7 +196,7 @@ def generate(
         return step.logits[:, -1]  # only the new position
 
     return decode(prompts, step.logits[:, -1], advance, max_new_tokens, eos_id, pad_id, temperature, generator,
-                  uniforms, reduce)
+                  uniforms, reduce, drop_finished)
 
 
 def accepts_logits_to_keep(model: nn.Module) -> bool:

@@ -14,6 +14,10 @@ so row i's tokens depend on its own logits and its own row of uniforms alone, ne
 rows share its batch or in what order. The trainer draws row i's uniforms from a generator seeded
 by (seed, step, i) (``rollout.sequence_uniforms``); any rank can then sample any sequence and get
 the tokens every other world size gets (to the rounding of the logits).
+
+For the same reason, rows that have finished can leave the decode batch (issue 27): the batch a
+row shares only shrinks, which changes no draw. The tests compare the shrinking loop with the one
+that keeps every row, bit for bit, for TinyGPT and tiny Llama and Qwen2 on CPU with one thread.
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+DROP_AT = 1 / 8
+"""Finished rows leave the decode batch once they are this share of it (or all of it). Each drop
+copies the policy's per-row state (the KV cache of every row kept), so dropping one row at a time
+would copy the cache at almost every step; waiting for an eighth bounds the copies by a geometric
+series (7 caches at most) while at most an eighth of a step's rows are finished ones."""
 
 
 class NonFiniteLogitsError(ValueError):
@@ -53,7 +64,7 @@ def _non_finite_rows(logits: Tensor) -> Tensor:
 def decode(
     prompts: Tensor,
     prefill_logits: Tensor,
-    advance: Callable[[Tensor, int, Tensor], Tensor],
+    advance: Callable[[Tensor, int, Tensor, Tensor | None], Tensor],
     max_new_tokens: int,
     eos_id: int,
     pad_id: int,
@@ -61,15 +72,25 @@ def decode(
     generator: torch.Generator | None = None,
     uniforms: Tensor | None = None,
     reduce: Callable[[Tensor], Tensor] | None = None,
+    drop_finished: bool = True,
 ) -> Tensor:
     """Sample up to ``max_new_tokens`` after ``prompts`` (B, P); returns (B, P + max_new_tokens).
 
     ``prefill_logits`` (B, V) are the policy's logits after the whole prompt; ``advance(token, t,
-    out)`` feeds the token (B,) just written at column P + t of ``out`` and returns the logits
-    (B, V) for column P + t + 1. The output always has the full, fixed width: once a row has
+    out, keep)`` feeds the tokens (B_t,) just written at column P + t of ``out`` and returns the
+    logits (B_t, V) for column P + t + 1 of the rows in the decode batch. The output always has the full, fixed width: once a row has
     produced EOS, every later position of that row is ``pad_id``, and if every row finishes early
     the loop stops and the rest stays ``pad_id``. A row that never samples EOS is truncated at
     max_new_tokens (its response has no EOS).
+
+    Finished rows leave the decode batch (``drop_finished``, the default), so short responses stop
+    paying for the longest: when rows have finished since the last call, ``keep`` (B_t,) holds the
+    positions, in the previous call's batch, of the rows this call runs on, in order, and the policy
+    cuts its per-row state (KV cache, attention mask, positions) to them; ``keep`` is None when the
+    batch is unchanged. This changes no token: row i is still drawn from its own logits and
+    ``uniforms[i]``, whichever rows share its batch. ``drop_finished=False`` keeps every row to the
+    end (the loop before issue 27; for the A/B benchmark and the tests that compare the two).
+    Rows leave in bunches: once the finished ones are ``DROP_AT`` of the batch.
 
     Noise: ``uniforms`` (B, max_new_tokens), row i for row i (what the trainer passes); without
     it, one (B, max_new_tokens) block drawn up front from ``generator`` (on the generator's
@@ -78,7 +99,8 @@ def decode(
     ``reduce`` sums a small int64 tensor over ranks (an all-reduce). Given, the loop stops only
     when every rank's rows have finished, so ranks that decode together (FSDP2, whose forward is
     a collective) run the same number of steps, and a non-finite logit on any rank stops all of
-    them; without it, this process stops when its own rows have.
+    them; without it, this process stops when its own rows have. A rank whose rows have all
+    finished keeps stepping on one of them (its tokens are ignored) while the others decode.
 
     Raises NonFiniteLogitsError when a step's logits hold NaN or +inf.
     """
@@ -92,22 +114,32 @@ def decode(
     uniforms = uniforms.to(device)  # (B, max_new_tokens)
     out = torch.full((B, P + max_new_tokens), pad_id, dtype=torch.long, device=device)
     out[:, :P] = prompts
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    logits = prefill_logits
+    rows = torch.arange(B, device=device)  # (B_t,): the rows of out in the decode batch, in batch order
+    live = torch.ones(B, dtype=torch.bool, device=device)  # (B_t,): which of them have not finished
+    logits = prefill_logits  # (B_t, V)
     for t in range(max_new_tokens):
-        bad = _non_finite_rows(logits) & ~finished  # (B,): only a running row samples from its logits
-        token = sample_next(logits, temperature, uniforms[:, t])  # (B,)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        out[:, P + t] = token
-        finished |= token == eos_id
-        # One host sync per step: [rows still running, rows with non-finite logits], over ranks.
-        status = torch.stack([(~finished).sum(), bad.sum()])
-        running, non_finite = (reduce(status) if reduce is not None else status).tolist()
+        bad = _non_finite_rows(logits) & live  # (B_t,): only a running row samples from its logits
+        token = sample_next(logits, temperature, uniforms[rows, t])  # (B_t,): row i reads uniforms[i] wherever it sits
+        token = torch.where(live, token, torch.full_like(token, pad_id))
+        out[rows, P + t] = token
+        live &= token != eos_id
+        # One host sync per step: [rows still running, rows with non-finite logits], here and over
+        # ranks (reduce sums in place, hence the copy).
+        status = torch.stack([live.sum(), bad.sum()])
+        total = reduce(status.clone()) if reduce is not None else status
+        mine, _, running, non_finite = torch.cat([status, total]).tolist()
         if non_finite:
             raise NonFiniteLogitsError(
                 f"the policy's logits became non-finite during sampling (NaN or inf at response position {t}): "
                 "its weights have diverged; lower --lr (or --max-grad-norm), or resume from an earlier checkpoint")
         if t == max_new_tokens - 1 or running == 0:
             break
-        logits = advance(token, t, out)
+        keep = None
+        dropped = len(rows) - max(mine, 1)  # a rank with no row left still steps on one
+        if drop_finished and dropped > 0 and dropped >= DROP_AT * len(rows):
+            # ISSUE 27: drop the finished rows. A rank with none left still steps (lock-step under
+            # FSDP2, whose forward is a collective) on one finished row, whose draws stay PAD.
+            keep = live.nonzero().squeeze(1) if mine else live.new_zeros(1, dtype=torch.long)  # (B_{t+1},)
+            rows, live, token = rows[keep], live[keep], token[keep]
+        logits = advance(token, t, out, keep)
     return out

@@ -69,6 +69,14 @@ class KVCache:
         """Called once per forward pass, after every layer has written its keys and values."""
         self.pos += num_tokens
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences ``rows`` (B',), in that order: the decode batch without its finished rows.
+
+        One copy of the storage, (n_layer, B', H, max_len, D), each time rows leave the batch.
+        """
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -215,6 +223,7 @@ def generate(
     use_cache: bool = True,
     uniforms: torch.Tensor | None = None,
     reduce=None,
+    drop_finished: bool = True,
 ) -> torch.Tensor:
     """Sample up to ``max_new_tokens`` tokens after each prompt; returns (B, P + max_new_tokens).
 
@@ -225,8 +234,9 @@ def generate(
 
     ``temperature`` 0 is greedy decoding (for evaluation). The noise is ``uniforms``
     (B, max_new_tokens), one row per sequence (the trainer's per-sequence draws), or else a block
-    drawn up front from ``generator``; ``reduce`` keeps ranks that decode together in step
-    (``sampling.decode`` says how). ``use_cache=False`` recomputes the full forward at every step
+    drawn up front from ``generator``; ``reduce`` keeps ranks that decode together in step, and
+    finished rows leave the decode batch unless ``drop_finished=False`` (``sampling.decode`` says
+    how). ``use_cache=False`` recomputes the full forward at every step
     (O(T^2) per token); it exists for the KV-cache benchmark and for tests that compare the two paths.
 
     Determinism: row i's tokens are a function of (weights, prompt i, uniforms[i]) alone, so with
@@ -238,14 +248,21 @@ def generate(
     if total > model.config.block_size:
         raise ValueError(f"P + max_new_tokens = {total} exceeds block_size {model.config.block_size}")
     cache = model.new_kv_cache(B) if use_cache else None
+    rows = torch.arange(B, device=prompts.device)  # (B_t,): the rows of out in the decode batch
 
-    def advance(token: torch.Tensor, t: int, out: torch.Tensor) -> torch.Tensor:
+    def advance(token: torch.Tensor, t: int, out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        nonlocal rows
+        if keep is not None:  # rows have finished: the batch shrinks to keep
+            rows = rows[keep]
+            if use_cache:
+                cache.keep(keep)
         if use_cache:
             return model(token[:, None], kv_cache=cache)[:, -1]  # only the new position
-        return model(out[:, : P + t + 1])[:, -1]  # the whole prefix again
+        return model(out[rows, : P + t + 1])[:, -1]  # the whole prefix again
 
     prefill = model(prompts, kv_cache=cache)[:, -1]  # (B, V)
-    return decode(prompts, prefill, advance, max_new_tokens, eos_id, pad_id, temperature, generator, uniforms, reduce)
+    return decode(prompts, prefill, advance, max_new_tokens, eos_id, pad_id, temperature, generator, uniforms, reduce,
+                  drop_finished)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
