@@ -165,7 +165,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
         batch = steps.Minibatch(rollout=rollout.groups(k * cfg.prompts_per_step, cfg.prompts_per_step),
                                 old_logp=None if old_logp is None else old_logp[rows],
                                 ref_logp=None if ref_logp is None else ref_logp[rows],
-                                rollout_digest=rollout.digest())
+                                rollout_digest=rollout.digest(), pad_id=policy.pad_id)
 
         # 2. Shard: this rank's microbatches of the global minibatch.
         plan = steps.plan_for(batch, cfg, ctx.world_size)

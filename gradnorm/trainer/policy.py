@@ -301,13 +301,13 @@ def score_packed(policy: Policy, module: nn.Module, tokens: Tensor, prompt_len: 
     return out_logp, out_entropy
 
 
-def forward_positions(lengths: Tensor, prompt_len: int, width: int, packed: bool = False, max_chunks: int = 4) -> int:
+def forward_positions(tokens: Tensor, lengths: Tensor, prompt_len: int, pad_id: int | None = None,
+                      packed: bool = False, max_chunks: int = 4) -> int:
     """The token positions the forward of one microbatch computes: each chunk of ``score_by_length``
-    is n rows cut to its longest response, or, packed, the rows ``pack`` fills (``width``: the
-    batch's P + R)."""
+    is n rows cut to its longest response, or, packed, the rows ``pack`` fills."""
     lengths = lengths.cpu()
     if packed:
-        return pack(torch.zeros(len(lengths), width, dtype=torch.long), prompt_len, lengths).positions
+        return pack(tokens, prompt_len, lengths, pad_id).positions
     return sum(len(rows) * (prompt_len + max(int(lengths[rows].max()), 1))
                for rows in length_chunks(lengths, prompt_len, max_chunks))
 

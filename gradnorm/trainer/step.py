@@ -49,6 +49,8 @@ class Minibatch:
     """(S, R) log-probs of the reference policy; None when --beta is 0."""
     rollout_digest: str
     """A hash of the whole rollout batch it was cut from (``Rollout.digest``)."""
+    pad_id: int | None = None
+    """The id that left-pads prompts (``Policy.pad_id``): padding, for ``padding_fraction``."""
 
 
 @dataclass
@@ -198,11 +200,14 @@ def skew(batch: Minibatch, plan: Plan, cfg: TrainConfig) -> dict:
     gap = max(abs(float(legacy[rank_rows].sum()) - sum(rank_tokens) / N)
               for rank_rows, rank_tokens in ((torch.cat(r) if r else torch.zeros(0, dtype=torch.long), n)
                                              for r, n in zip(plan, tokens)))
+    tokens_cpu = mb.tokens.cpu()
+    left_pad = (torch.zeros(len(lengths), dtype=torch.long) if batch.pad_id is None
+                else (torch.cumsum(tokens_cpu[:, :P] != batch.pad_id, dim=1) == 0).sum(1))  # (S,) padding of a prompt
     real = computed = 0
     for rank in plan:
         for rows in rank:
-            real += int((lengths[rows] + P).sum())
-            computed += forward_positions(lengths[rows], P, mb.tokens.shape[1], packed=cfg.pack)
+            real += int((lengths[rows] + P - left_pad[rows]).sum())
+            computed += forward_positions(tokens_cpu[rows], lengths[rows], P, batch.pad_id, packed=cfg.pack)
     flat = [n for rank in tokens for n in rank]
     return {"skew_max": float(ratio.max()) if len(ratio) else 1.0, "skew_min": float(ratio.min()) if len(ratio) else 1.0,
             "rank_share_gap": gap, "mb_tokens_min": min(flat, default=0), "mb_tokens_max": max(flat, default=0),
