@@ -25,23 +25,12 @@ import torch
 from gradnorm.audit import conventions, probe as audit
 from gradnorm.audit.cli import main
 from gradnorm.core.sharding import SHARD_KINDS
+from audit_command import run, verdict_of  # tests/audit_command.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--world-size", "2", "--accum-steps", "4"]  # W != A, so 1/W and 1/A can be told apart
-
-
-def run(capsys, *argv):
-    """(exit status, stdout, stderr) of the command, run in-process."""
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def verdict_of(out):
-    (line,) = [s for s in out.splitlines() if s.startswith("verdict: ")]
-    return line
 
 
 def _surrogate_sum(logp, old_logp, advantages, mask):

@@ -24,6 +24,7 @@ from torch.testing import assert_close
 
 from gradnorm.audit import conventions, masking, probe as audit, splits
 from gradnorm.audit.cli import main
+from audit_command import run, verdict_of  # tests/audit_command.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,17 +38,6 @@ def contiguous_ranks(world_size):
     """Rank r holds sequences [r S/W, (r+1) S/W)."""
     per = S // world_size
     return [list(range(r * per, (r + 1) * per)) for r in range(world_size)]
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def verdict_of(out):
-    (line,) = [s for s in out.splitlines() if s.startswith("verdict: ")]
-    return line
 
 
 def surrogate_sum(logp, old_logp, advantages, mask):
