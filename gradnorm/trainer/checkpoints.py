@@ -75,7 +75,7 @@ from gradnorm.trainer.policy import Policy, warm_up
 from gradnorm.trainer.rollout import sampled_reward
 
 
-# ------------------------------------------------------------------ checkpointing: Checkpoints: one directory per step, written by every rank at once, complete or absent.
+# ------------------------------------------------------------------ Checkpoints: one directory per step, writ
 
 _NAME = re.compile(r"^ckpt_step(\d+)$")
 RUN_FILE = "trainer_state.json"
@@ -300,7 +300,7 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
-# ------------------------------------------------------------------ runstate: Where a run starts and how it continues: the policy, the warm-up, the counters, the checkpoints.
+# ------------------------------------------------------------------ Where a run starts and how it continues:
 
 @dataclass
 class RunState:
@@ -368,7 +368,7 @@ def load_checkpoint(path: Path, model, opt, ref, ctx: comm.DistContext) -> None:
     dist_state.apply_training_state(model, opt, ref, state)
 
 
-# ------------------------------------------------------------------ export: the trained policy as a Hugging Face directory
+# ------------------------------------------------------------------ the trained policy as a Hugging Face dire
 
 
 def write_pretrained(config: Any, weights: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path) -> Path:

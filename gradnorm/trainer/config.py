@@ -41,7 +41,7 @@ from gradnorm.core.sharding import BUDGET_KINDS, ShardKind, check_divisible
 from gradnorm.tasks import RepeatTask
 
 
-# ------------------------------------------------------------------ flagrules: The rules of the trainer's flags: what each numeric flag may hold, and what a --resume may change.
+# ------------------------------------------------------------------ The rules of the trainer's flags: what ea
 
 @dataclass(frozen=True)
 class Range:
@@ -116,7 +116,7 @@ def changeable_on_resume(name: str, loss_denominator: str) -> bool:
     return name in CHANGEABLE_ON_RESUME
 
 
-# ------------------------------------------------------------------ trainconfig: The trainer's configuration: one dataclass, a docstring under every field, the CLI generated from it.
+# ------------------------------------------------------------------ The trainer's configuration: one dataclas
 
 @dataclass
 class TrainConfig:

@@ -116,7 +116,7 @@ from gradnorm.tasks import RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 
 
-# ------------------------------------------------------------------ failures: How a run that cannot start or cannot go on says so: one ``error:`` line, from rank 0 first.
+# ------------------------------------------------------------------ How a run that cannot start or cannot go
 
 GRACE_S = 30.0
 """How long a rank other than 0 waits before printing an error of its own (``report_error``)."""
@@ -198,7 +198,7 @@ def peer_failure(posted: dict[int, str], err: BaseException, rank: int, world_si
     return f"{where}{who} died or left the process group ({why}); its own output, or the launcher's, says why"
 
 
-# ------------------------------------------------------------------ preemption: Preemption: on SIGTERM or SIGINT every rank finishes its optimizer step, checkpoints and exits.
+# ------------------------------------------------------------------ Preemption: on SIGTERM or SIGINT every ra
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals that stop a run; ``votes`` has one entry per signal, in this order."""
@@ -315,7 +315,7 @@ def agreed(summed_votes: Tensor) -> signal.Signals | None:
     return None
 
 
-# ------------------------------------------------------------------ preflight: Checks of everything outside the flags, before any process group or model exists.
+# ------------------------------------------------------------------ Checks of everything outside the flags, b
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 VIRTUAL_FILESYSTEMS = ("/proc", "/sys", "/dev")
@@ -553,7 +553,7 @@ def check_reporters(cfg: TrainConfig) -> None:
             raise ValueError(f"--report-to {name}: {str(err).replace('--output-dir ', 'log directory ', 1)}") from None
 
 
-# ------------------------------------------------------------------ memory: Will a configuration fit? The largest tensors of a step against the memory the device has free.
+# ------------------------------------------------------------------ Will a configuration fit? The largest ten
 
 GiB = 2**30
 

@@ -106,7 +106,7 @@ import secrets
 from gradnorm.trainer.curves import read_metrics, write_learning_curve
 
 
-# ------------------------------------------------------------------ phases: Where an optimizer step's time goes: a lap timer the trainer calls between its numbered steps.
+# ------------------------------------------------------------------ Where an optimizer step's time goes: a la
 
 PHASES = ("rollout", "scoring", "shard", "counts", "forward_backward", "optimizer", "log", "checkpoint")
 """Every phase of a step, in the order the trainer laps them."""
@@ -153,7 +153,7 @@ class PhaseTimer:
         return self._times[phase]
 
 
-# ------------------------------------------------------------------ rundir: The run directory: never lose a run, never let two runs write one directory, remember every resume.
+# ------------------------------------------------------------------ The run directory: never lose a run, neve
 
 LOCK = ".lock"
 PREVIOUS = "previous_run"
@@ -383,7 +383,7 @@ def write_config(out: Path, cfg: TrainConfig, world_size: int, step: int) -> Non
     os.replace(tmp, out / "config.json")  # a crash mid-write leaves the old config.json
 
 
-# ------------------------------------------------------------------ runlog: What a run writes as it goes: metrics.jsonl (one record per optimizer step), the console, the summary.
+# ------------------------------------------------------------------ What a run writes as it goes: metrics.jso
 
 TIMING_KEYS = ("tokens_per_second", "elapsed_s", "max_memory_gib", *METRIC_KEYS)
 """Measured metrics (wall time; CUDA memory): everything else in metrics.jsonl is a function of the config."""
@@ -516,7 +516,7 @@ def summarize(out: Path, plot: bool) -> None:
         print("learning curve skipped: matplotlib is not installed (pip install -e '.[notebooks]')")
 
 
-# ------------------------------------------------------------------ reporters: --report-to, the same lines to TensorBoard and W&B (rank 0).
+# ------------------------------------------------------------------ --report-to, the same lines to TensorBoar
 
 _OPEN_REPORTERS: list[Reporters] = []
 """Reporters not closed yet: ``close_reporters`` finishes them when a run fails or stops."""
