@@ -186,7 +186,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
 
         # 5. Log (rank 0) and checkpoint.
         now = timer.last  # the step ends at its last lap, so its phase times add up to its wall time
-        line = steps.record(step, stats, grad_norm, batch, plan, state.skipped, cfg)
+        line = steps.record(step, stats, grad_norm, batch, plan, state.skipped, cfg, with_skew=ctx.is_main)
         line.update(tokens_per_second=stats.tokens / max(now - t_prev, 1e-9), elapsed_s=elapsed0 + now - t0,
                     **runfiles.timing_fields(ctx.device))
         line.update(timer.split(comm.all_reduce_max))  # rank 0's laps, and the max over ranks (a tiny all-reduce)

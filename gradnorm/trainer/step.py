@@ -215,9 +215,10 @@ def skew(batch: Minibatch, plan: Plan, cfg: TrainConfig) -> dict:
 
 
 def record(step: int, stats: StepStats, grad_norm: Tensor, batch: Minibatch, plan: Plan, skipped: int,
-           cfg: TrainConfig) -> dict:
+           cfg: TrainConfig, with_skew: bool = True) -> dict:
     """One line of metrics.jsonl, before its timings: global statistics of the step (non-finite as
-    null), and what the legacy mean would have done to it (``skew``)."""
+    null), and what the legacy mean would have done to it (``skew``; only where the line is written:
+    rank 0, since every rank would compute the same numbers)."""
     mb = batch.rollout
     lengths = mb.lengths.cpu()
     values = {
@@ -226,6 +227,6 @@ def record(step: int, stats: StepStats, grad_norm: Tensor, batch: Minibatch, pla
         "response_len_mean": float(lengths.float().mean()), "response_len_max": int(lengths.max()),
         "tokens": stats.tokens, "tokens_per_rank": tokens_per_rank(plan, lengths),
         **{k: v for k, v in stats.logged().items() if k in ("pg_loss", "kl", "clipfrac", "entropy")},
-        "rollout_digest": batch.rollout_digest, "skipped_steps": skipped, **skew(batch, plan, cfg),
+        "rollout_digest": batch.rollout_digest, "skipped_steps": skipped, **(skew(batch, plan, cfg) if with_skew else {}),
     }
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
