@@ -313,23 +313,47 @@ def forward_positions(tokens: Tensor, lengths: Tensor, prompt_len: int, pad_id: 
 
 
 def score_by_length(score: Callable[[nn.Module, Tensor, int], tuple[Tensor, Tensor]], model: nn.Module, tokens: Tensor, prompt_len: int, lengths: Tensor,
-                    max_chunks: int = 4) -> tuple[Tensor, Tensor]:
+                    max_chunks: int = 4, calls: int | None = None) -> tuple[Tensor, Tensor]:
     """``score(model, tokens, prompt_len)`` computed chunk by chunk; (logp, entropy), each (n, R).
 
     tokens (n, P + R); lengths (n,) the response lengths |o_i| from the response mask (the
     positions a chunk drops are outside the mask). Differentiable: gradients flow to every chunk.
+
+    ``calls`` makes exactly that many forward calls (at least the chunks'): under FSDP2 every
+    forward is a collective (each block's parameters are all-gathered), so ranks whose rows chunk
+    differently must still call the model equally often, or the gathers pair up wrongly and the
+    ranks hang. The extra calls score one row's first response token and add it times zero: no
+    value changes, and the backward still visits every block (``lockstep_calls``).
     """
     n, R = tokens.shape[0], tokens.shape[1] - prompt_len
     chunks = length_chunks(lengths, prompt_len, max_chunks)
-    if len(chunks) <= 1:
+    extra = 0 if calls is None else calls - len(chunks)
+    if extra < 0:
+        raise ValueError(f"calls={calls} is fewer than the {len(chunks)} chunks these rows need")
+    if len(chunks) <= 1 and not extra:
         return score(model, tokens, prompt_len)
-    logp = entropy = None
+    logp, entropy = tokens.new_zeros(n, R, dtype=torch.float32), tokens.new_zeros(n, R, dtype=torch.float32)
     for rows in chunks:
         width = max(int(lengths[rows].max()), 1)  # this chunk's longest response
         mb_logp, mb_entropy = score(model, tokens[rows, : prompt_len + width], prompt_len)  # (n_c, width) each
-        if logp is None:
-            logp, entropy = mb_logp.new_zeros(n, R), mb_entropy.new_zeros(n, R)
+        logp, entropy = logp.to(mb_logp.dtype), entropy.to(mb_entropy.dtype)
         # out-of-place index_put keeps autograd happy; columns past `width` stay 0 (masked out)
         logp = logp.index_put((rows,), torch.nn.functional.pad(mb_logp, (0, R - width)))
         entropy = entropy.index_put((rows,), torch.nn.functional.pad(mb_entropy, (0, R - width)))
+    for _ in range(extra):  # lockstep: zero weight, the same blocks visited
+        idle_logp, _ = score(model, tokens[:1, : prompt_len + 1], prompt_len)
+        logp = logp + 0.0 * idle_logp.sum()
     return logp, entropy
+
+
+def lockstep_calls(row_sets: list[Tensor], lengths: Tensor, prompt_len: int, packed: bool = False,
+                   max_chunks: int = 4) -> int:
+    """The forward calls that scoring each rank's ``row_sets[r]`` (its rows of ``lengths``) takes,
+    at most: what every rank must make under FSDP2 (``score_by_length(..., calls=)``). Every rank
+    computes the same number from the rows of all ranks, which it already knows (no collective).
+    A packed microbatch is one call; a rank with no rows still makes one (on a throwaway row)."""
+    if packed:
+        return 1
+    lengths = lengths.cpu()
+    return max((max(len(length_chunks(lengths[rows.cpu()], prompt_len, max_chunks)), 1) for rows in row_sets),
+               default=1)

@@ -33,7 +33,7 @@ from gradnorm.core.simulate import effective_weights
 from gradnorm.dist import comm, wrap
 from gradnorm.trainer import guards
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import Policy, forward_positions, score_by_length, score_packed
+from gradnorm.trainer.policy import Policy, forward_positions, lockstep_calls, score_by_length, score_packed
 from gradnorm.trainer.rollout import Rollout
 
 
@@ -80,16 +80,23 @@ class StepStats:
 
 
 def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, cfg: TrainConfig,
-                 autocast: Callable[[], contextlib.AbstractContextManager]) -> Callable[[Tensor], TokenLosses]:
-    """The forward pass of one microbatch ``idx`` (rows of the minibatch), through DDP or FSDP2."""
+                 autocast: Callable[[], contextlib.AbstractContextManager],
+                 calls: list[int] | None = None) -> Callable[[Tensor], TokenLosses]:
+    """The forward pass of one microbatch ``idx`` (rows of the minibatch), through DDP or FSDP2.
+
+    ``calls[p]`` (FSDP2 on several ranks: ``pass_calls``) is how many forward calls pass p makes on
+    every rank; the passes come in order, one ``forward`` each.
+    """
     mb, P = batch.rollout, batch.rollout.prompt_len
+    per_pass = iter(calls) if calls is not None else None
 
     def forward(idx: Tensor) -> TokenLosses:
         with autocast():  # fp32 log-probs either way; --pack runs one padding-free forward
             if cfg.pack:
                 logp, entropy = score_packed(policy, module, mb.tokens[idx], P, mb.lengths[idx])
             else:
-                logp, entropy = score_by_length(policy.score, module, mb.tokens[idx], P, mb.lengths[idx])
+                logp, entropy = score_by_length(policy.score, module, mb.tokens[idx], P, mb.lengths[idx],
+                                                calls=None if per_pass is None else next(per_pass))
         return grpo_token_losses(
             logp, logp.detach() if batch.old_logp is None else batch.old_logp[idx], mb.advantages[idx],
             ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
@@ -99,11 +106,46 @@ def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, cfg: Train
     return forward
 
 
-def score(policy: Policy, module: nn.Module, rollout: Rollout, packed: bool = False) -> Tensor:
-    """(S, R) log-probs of a whole rollout batch under ``module`` (the sampling policy, the reference)."""
+def shares(rollout: Rollout, cfg: TrainConfig, world_size: int) -> list[Tensor]:
+    """The rows of a rollout batch each rank trains on over its updates: ``shares(...)[r]`` (sorted).
+
+    Minibatch k of the rollout is its groups [k * prompts-per-step, (k + 1) * prompts-per-step),
+    split by the plan ``plan_for`` makes for it at its step; rank r trains on its rows of every
+    minibatch (each epoch repeats them). Only those rows need the sampling policy's and the
+    reference's log-probs on rank r: about 1/W of the batch, not all of it.
+    """
+    S = cfg.sequences_per_step
+    rows: list[list[Tensor]] = [[] for _ in range(world_size)]
+    for k in range(cfg.minibatches_per_rollout):
+        minibatch = rollout.groups(k * cfg.prompts_per_step, cfg.prompts_per_step)
+        for r, microbatches in enumerate(plan_for(Minibatch(minibatch, None, None, ""), cfg, world_size)):
+            rows[r] += [mb.cpu() + k * S for mb in microbatches]
+    empty = torch.zeros(0, dtype=torch.long)
+    return [torch.cat(r).sort().values if r else empty for r in rows]
+
+
+def score(policy: Policy, module: nn.Module, rollout: Rollout, shares: list[Tensor] | None = None, rank: int = 0,
+          packed: bool = False) -> Tensor:
+    """(S, R) log-probs under ``module`` (the sampling policy, the reference) of the rows rank
+    ``rank`` trains on, ``shares[rank]`` (``shares``), zero on every other row; every row when
+    ``shares`` is None. Under FSDP2 on several ranks every forward is a collective, so each rank
+    makes as many forward calls as the rank whose rows need the most (``lockstep_calls``, from
+    every rank's share, which each rank knows); a rank with no rows makes them on a throwaway
+    copy of row 0."""
+    P, S, R = rollout.prompt_len, len(rollout.rewards), rollout.mask.shape[1]
+    device = rollout.tokens.device
+    idx = torch.arange(S, device=device) if shares is None else shares[rank].to(device)  # (n,)
+    scored = idx if len(idx) else idx.new_zeros(1)  # never empty: the forward must run
+    tokens, lengths = rollout.tokens[scored], rollout.lengths[scored]
     if packed:
-        return score_packed(policy, module, rollout.tokens, rollout.prompt_len, rollout.lengths)[0]
-    return score_by_length(policy.score, module, rollout.tokens, rollout.prompt_len, rollout.lengths)[0]
+        logp = score_packed(policy, module, tokens, P, lengths)[0]
+    else:
+        lockstep = shares is not None and len(shares) > 1 and wrap.is_fsdp(module)
+        calls = lockstep_calls(shares, rollout.lengths, P) if lockstep else None
+        logp = score_by_length(policy.score, module, tokens, P, lengths, calls=calls)[0]
+    if shares is None:
+        return logp
+    return logp.new_zeros(S, R).index_put((idx,), logp[: len(idx)])
 
 
 def plan_for(batch: Minibatch, cfg: TrainConfig, world_size: int) -> Plan:
@@ -129,9 +171,21 @@ def backward(policy: Policy, module: nn.Module, batch: Minibatch, plan: Plan, co
              ctx: comm.DistContext, autocast) -> Tensor:
     """Step 3b: every microbatch's weighted backward; this rank's statistic sums (NUM_STATS,) float64."""
     mb = batch.rollout
+    lockstep = ctx.world_size > 1 and wrap.is_fsdp(module)  # FSDP2: every forward is a collective
     return accumulate_gradients(module, plan[ctx.rank], mb.mask, mb.group_ids, counts, cfg.denominator,
-                                token_losses(policy, module, batch, cfg, autocast), ctx.world_size,
-                                num_passes=passes(plan))  # a rank with fewer microbatches runs idle passes
+                                token_losses(policy, module, batch, cfg, autocast,
+                                             pass_calls(plan, mb.lengths, mb.prompt_len, cfg.pack) if lockstep else None),
+                                ctx.world_size, num_passes=passes(plan))  # a rank with fewer microbatches runs idle passes
+
+
+def pass_calls(plan: Plan, lengths: Tensor, prompt_len: int, packed: bool) -> list[int]:
+    """The forward calls of each pass of ``accumulate_gradients``, the same on every rank: the most
+    that any rank's rows of that pass chunk into (``lockstep_calls``). A rank's idle passes come
+    first and score one row; its microbatches follow, in the order it runs them."""
+    num = passes(plan)
+    filler = torch.zeros(1, dtype=torch.long)
+    by_pass = [[filler] * (num - len(rank)) + list(rank) for rank in plan]  # [rank][pass] -> rows
+    return [lockstep_calls([rank[p] for rank in by_pass], lengths, prompt_len, packed) for p in range(num)]
 
 
 def clip(policy: Policy, max_norm: float) -> Tensor:

@@ -1,0 +1,168 @@
+"""Each rank scores only the rows it trains on, and FSDP2 ranks call the model in lockstep.
+
+With rollout reuse (``--minibatches-per-rollout`` > 1) or ``--beta`` > 0 the trainer needs the
+sampling policy's and the reference's log-probs. ``step.shares`` says which rows of the rollout
+batch each rank trains on over all its updates, and ``step.score`` scores only those:
+
+- the shares partition the batch, and rank r's share of minibatch k is exactly its rows of the
+  plan that step k makes (so every row a rank trains on has its log-probs);
+- scoring a share gives the whole-batch scores on those rows (zero elsewhere), and the model sees
+  only the share's rows: about S / W, where the control (no shares) sees all S.
+
+FSDP2 turns every forward into a collective (each block's parameters are gathered), so ranks
+whose rows split into different numbers of length chunks (``policy.length_chunks``) would pair
+their gathers wrongly and hang (seen before the fix: two ranks making 1 and 3 forward calls
+waited until the process group's timeout). The batch below makes the ranks chunk differently
+(asserted); on 2 spawned gloo ranks the FSDP2 scores and gradients equal the ones of DDP and of an
+unwrapped model, which they could not if the calls were not in lockstep.
+"""
+
+import contextlib
+import copy
+
+import torch
+from torch.testing import assert_close
+
+from gradnorm.core.denominators import mask_from_lengths
+from gradnorm.dist import comm, wrap
+from gradnorm.dist.spawn import spawn_gloo
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT
+from gradnorm.trainer import step as steps
+from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.policy import TinyGPTPolicy, length_chunks, score_by_length, wrap_for_training
+from gradnorm.trainer.rollout import Rollout
+
+P, R, V, G = 4, 24, 11, 8
+NUM_PROMPTS = 16  # two minibatches of 8 prompt groups: 128 rows
+CFG = TrainConfig(prompts_per_step=8, group_size=G, minibatches_per_rollout=2, shard="length", grad_accum_steps=1,
+                  beta=0.04)
+
+
+def rollout() -> Rollout:
+    """Ragged responses, mostly short (lengths ~ R * u^3): the longest rows chunk, the short ones not."""
+    g = torch.Generator().manual_seed(0)
+    S = NUM_PROMPTS * G
+    lengths = (torch.rand(S, generator=g) ** 3 * R).long().clamp(1, R)
+    return Rollout(tokens=torch.randint(V, (S, P + R), generator=g), mask=mask_from_lengths(lengths, R),
+                   rewards=torch.zeros(S), advantages=torch.randn(S, generator=g),
+                   group_ids=torch.arange(S) // G, group_size=G, prompt_len=P)
+
+
+def model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(GPTConfig(V, P + R, n_layer=2, n_head=2, n_embd=16))
+
+
+class CountingPolicy(TinyGPTPolicy):
+    """TinyGPT's policy, counting the rows and the forward calls its ``score`` is asked for."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rows = self.calls = 0
+
+    def score(self, module, tokens, prompt_len):
+        self.rows, self.calls = self.rows + len(tokens), self.calls + 1
+        return super().score(module, tokens, prompt_len)
+
+
+def test_the_shares_partition_the_batch_by_the_plan_of_each_minibatch():
+    batch = rollout()
+    for world_size in (1, 2, 4):
+        shares = steps.shares(batch, CFG, world_size)
+        everything = torch.cat(shares)
+        assert sorted(everything.tolist()) == list(range(len(batch.rewards)))  # each row once
+        for k in range(CFG.minibatches_per_rollout):
+            minibatch = batch.groups(k * CFG.prompts_per_step, CFG.prompts_per_step)
+            plan = steps.plan_for(steps.Minibatch(minibatch, None, None, ""), CFG, world_size)
+            first, S = k * CFG.sequences_per_step, CFG.sequences_per_step
+            for r, share in enumerate(shares):
+                in_k = share[(share >= first) & (share < first + S)] - first
+                planned = torch.cat(plan[r]) if plan[r] else torch.zeros(0, dtype=torch.long)
+                assert in_k.tolist() == sorted(planned.tolist()), (world_size, k, r)
+
+
+def test_scoring_a_share_gives_the_whole_batch_scores_on_it_and_runs_only_its_rows():
+    batch, m = rollout(), model()
+    whole_policy = CountingPolicy(m)
+    with torch.no_grad():
+        whole = steps.score(whole_policy, m, batch)  # the control: every row, as before
+    assert whole_policy.rows == len(batch.rewards)
+    shares = steps.shares(batch, CFG, 2)
+    for r, share in enumerate(shares):
+        policy = CountingPolicy(m)
+        with torch.no_grad():
+            got = steps.score(policy, m, batch, shares, r)
+        assert policy.rows == len(share) < 0.6 * len(batch.rewards)  # its share, not the batch
+        others = torch.ones(len(batch.rewards), dtype=torch.bool)
+        others[share] = False
+        assert (got[others] == 0).all() and (got[~others] != 0).any()
+        mask = batch.mask[share]
+        assert_close(got[share][mask], whole[share][mask], rtol=1e-5, atol=1e-6)
+
+
+def test_the_batch_makes_the_ranks_chunk_differently():
+    """The premise of the lockstep check: without it the ranks' forward calls would differ."""
+    batch = rollout()
+    shares = steps.shares(batch, CFG, 2)
+    assert len({len(length_chunks(batch.lengths[s], P)) for s in shares}) == 2
+    minibatch = batch.groups(0, CFG.prompts_per_step)
+    plan = steps.plan_for(steps.Minibatch(minibatch, None, None, ""), CFG, 2)
+    assert len({len(length_chunks(minibatch.lengths[rank[0]], P)) for rank in plan}) == 2
+    assert steps.pass_calls(plan, minibatch.lengths, P, packed=False) == [2]
+
+
+def lockstep_worker(ctx: comm.DistContext) -> dict:
+    """On each of 2 ranks: the share's scores and one step's gradient, under FSDP2, DDP and unwrapped."""
+    batch = rollout()
+    shares = steps.shares(batch, CFG, ctx.world_size)
+    out = {}
+    with torch.no_grad():
+        plain = model()
+        out["plain_scores"] = steps.score(TinyGPTPolicy(plain), plain, batch, shares, ctx.rank)
+    minibatch = steps.Minibatch(batch.groups(0, CFG.prompts_per_step), None, None, "")
+    for parallel in ("ddp", "fsdp"):
+        m = model()
+        policy = CountingPolicy(m)
+        dp_model = wrap_for_training(policy, parallel, ctx)
+        with torch.no_grad():
+            out[f"{parallel}_scores"] = steps.score(policy, m, batch, shares, ctx.rank)
+        out[f"{parallel}_scoring_calls"] = policy.calls
+        minibatch.old_logp = out["plain_scores"][: CFG.sequences_per_step]
+        minibatch.ref_logp = minibatch.old_logp - 0.1  # a reference the policy has left: KL is not 0
+        plan = steps.plan_for(minibatch, CFG, ctx.world_size)
+        counts = steps.counts_for(minibatch, plan, CFG, ctx.rank)
+        steps.backward(policy, dp_model, minibatch, plan, counts, CFG, ctx, contextlib.nullcontext)
+        out[f"{parallel}_grad"] = wrap.flat_grad(m)
+    return out
+
+
+def test_fsdp2_ranks_score_and_train_in_lockstep_and_match_ddp():
+    results = spawn_gloo(lockstep_worker, 2)
+    assert results[0]["fsdp_scoring_calls"] == results[1]["fsdp_scoring_calls"] == 2  # padded to the most
+    assert {r["ddp_scoring_calls"] for r in results} == {1, 2}  # DDP needs no lockstep: its own chunks
+    mask = rollout().mask  # outside it a chunk's scores are 0, a full-width forward's are not
+    for r in results:
+        assert_close(r["fsdp_scores"][mask], r["plain_scores"][mask], rtol=1e-5, atol=1e-6)
+        assert_close(r["ddp_scores"], r["plain_scores"], rtol=0, atol=0)
+        assert_close(r["fsdp_grad"], r["ddp_grad"], rtol=1e-4, atol=1e-6)
+        assert r["ddp_grad"].norm() > 0
+    assert torch.equal(results[0]["fsdp_grad"], results[1]["fsdp_grad"])
+
+
+def test_extra_lockstep_calls_change_no_value_and_no_gradient():
+    """The zero-weight calls (``score_by_length(..., calls=)``) against the same rows scored plainly."""
+    batch = rollout()
+    rows = torch.arange(16)
+    natural = len(length_chunks(batch.lengths[rows], P))
+    grads = {}
+    for calls in (None, natural + 2):
+        m = copy.deepcopy(model()).double()
+        policy = CountingPolicy(m)
+        logp = score_by_length(policy.score, m, batch.tokens[rows], P, batch.lengths[rows], calls=calls)[0]
+        (logp * batch.mask[rows]).sum().backward()
+        grads[calls] = (logp.detach(), torch.cat([p.grad.reshape(-1) for p in m.parameters()]), policy.calls)
+    padded = grads[natural + 2]
+    assert grads[None][2] == natural and padded[2] == natural + 2
+    mask = batch.mask[rows]
+    assert_close(padded[0][mask], grads[None][0][mask], rtol=1e-12, atol=1e-12)
+    assert_close(padded[1], grads[None][1], rtol=1e-12, atol=1e-12)
