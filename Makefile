@@ -43,7 +43,7 @@ figures: install
 example: install
 	$(PY) -m gradnorm.teach.worked_example
 
-# Regenerates every committed benchmark result: results.md/.json, rollouts.md, vs_trl.md/.json, packing.md/.json and the README's
+# Regenerates every committed benchmark result: results.md/.json, rollouts.md, vs_trl.md/.json, packing.md/.json, phases.md/.json and the README's
 # numbers (between its bench markers). Installs the optional `bench` extra (TRL) first.
 bench: install
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]"
@@ -51,6 +51,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/rollouts.py --drift --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_trl.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/packing.py --out benchmarks
+	OMP_NUM_THREADS=1 $(PY) benchmarks/phases.py --out benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
