@@ -115,7 +115,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     """Build, then run the five steps of the module docstring for every optimizer step."""
     U = cfg.updates_per_rollout
     out = Path(cfg.output_dir)
-    task, policy = build_policy(cfg, ctx.device)
+    task, policy = build_policy(cfg, ctx.device, ctx.world_size, guards.local_ranks())
     model = policy.model
     # bf16 autocast around every forward pass (never the backward); log-softmax, loss weights and
     # statistics stay fp32/fp64 and counts int64 inside it, so the normalization is unchanged.

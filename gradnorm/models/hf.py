@@ -67,6 +67,25 @@ def load_tokenizer(name_or_path: str) -> Any:
     return tok
 
 
+def context_length(name_or_path: str) -> tuple[str, int] | None:
+    """(field, positions): the longest sequence the model's config says it takes, read without weights.
+
+    ``max_position_embeddings`` of the (text) config, named as the config file spells it (a config
+    class may map it: GPT-2's ``n_positions``). None when the config states no context (ALiBi,
+    state-space models) or cannot be read here (the weights' load then says why).
+    """
+    transformers = require_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError, KeyError):
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:
+        return None
+    return getattr(config, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings"), positions
+
+
 def load_causal_lm(
     name_or_path: str,
     pad_id: int,

@@ -83,8 +83,15 @@ long (a policy may produce that at any step), and it counts only the largest ten
     warmup   = (built-in model) B (P + R) V (b + 8) + 4 L B (P + R) d b, B = --warmup-batch
     peak     = static + max(rollout, training, eval, warmup)
 
-with b = 2 bytes under bf16 autocast, else 4. A Hugging Face model's prompt length P is taken as
-1 before its tokenizer has run, and a Hub id's shape is unknown before it downloads: no estimate.
+with b = 2 bytes under bf16 autocast, else 4. A Hub id's shape is unknown before it downloads: no
+estimate.
+
+A Hugging Face model's prompt length P, the longest prompt of --prompts in tokens, is known only once
+its tokenizer has run. The preflight takes P = 1 (a lower bound: what it refuses, no prompt makes
+fit); ``build_policy`` checks again with the real P, between the tokenizer and the weights
+(``check_prompt_length``), together with the model's context: P + max-new-tokens must not exceed what
+its config states. Tokenizing at preflight would tokenize every prompt twice, and a Hub id's
+tokenizer is not there before it downloads.
 """
 
 from __future__ import annotations
@@ -113,6 +120,7 @@ from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.outpaths import check_export_dir
 import math
 from gradnorm.tasks import RepeatTask
+from gradnorm.models import hf
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 
 
@@ -558,8 +566,12 @@ def check_reporters(cfg: TrainConfig) -> None:
 GiB = 2**30
 
 
-def model_shape(cfg: TrainConfig) -> dict | None:
-    """{params, n_layer, width, kv_width, vocab, prompt_len} of the policy, or None when unknown."""
+def model_shape(cfg: TrainConfig, prompt_len: int | None = None) -> dict | None:
+    """{params, n_layer, width, kv_width, vocab, prompt_len} of the policy, or None when unknown.
+
+    ``prompt_len``: a Hugging Face model's P, the longest prompt of --prompts in tokens; 1 when not
+    given (the preflight, before the tokenizer has run).
+    """
     if cfg.builtin:
         task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
         with torch.device("meta"):  # shapes only, no memory
@@ -578,7 +590,7 @@ def model_shape(cfg: TrainConfig) -> dict | None:
     head_dim = config.get("head_dim") or width // heads
     return {"params": sum(safetensors_params(f) for f in path.glob("*.safetensors")), "n_layer": layers,
             "width": width, "kv_width": (config.get("num_key_value_heads") or heads) * head_dim, "vocab": vocab,
-            "prompt_len": 1}
+            "prompt_len": 1 if prompt_len is None else prompt_len}
 
 
 def estimate(cfg: TrainConfig, shape: dict, world_size: int, device_type: str) -> dict[str, int]:
@@ -628,9 +640,13 @@ WHAT = {"eval": "--eval-prompts {cfg.eval_prompts}", "warmup": "--warmup-batch {
 """The flags behind a part of the estimate, for its error line (the rest: the batch of a step)."""
 
 
-def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing: int = 1) -> None:
-    """A one-line ValueError when the estimate exceeds the free memory; ``sharing`` ranks share a host's RAM."""
-    shape = model_shape(cfg)
+def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing: int = 1,
+               prompt_len: int | None = None) -> None:
+    """A one-line ValueError when the estimate exceeds the free memory; ``sharing`` ranks share a host's RAM.
+
+    ``prompt_len``: a Hugging Face model's longest prompt in tokens, once known (``model_shape``).
+    """
+    shape = model_shape(cfg, prompt_len)
     if shape is None:
         return
     parts = estimate(cfg, shape, world_size, device.type)
@@ -640,9 +656,49 @@ def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing:
         return
     worst = max(parts, key=parts.get)
     flags = WHAT.get(worst, "--prompts-per-step {cfg.prompts_per_step} x --group-size {cfg.group_size}").format(cfg=cfg)
+    if prompt_len is not None and worst != "static":
+        flags += f", prompts of up to {prompt_len} tokens"
     raise ValueError(f"this configuration needs at least {size(need)} per rank on {device} ({worst} "
                      f"{size(parts[worst])}: {flags}, --max-new-tokens {cfg.max_new_tokens}), but {size(free)} are free; "
                      f"{ADVICE[worst]}")
+
+
+def check_prompt_length(cfg: TrainConfig, prompt_len: int, world_size: int, device: torch.device,
+                        sharing: int = 1) -> None:
+    """What a Hugging Face run's longest prompt must pass once its tokenizer has run, before its weights
+    load: the model's context (``check_context``), then the memory estimate at that prompt length.
+
+    ``prompt_len``: the longest prompt of --prompts in tokens (``PromptTask.prompt_len``). Each failure
+    is an ``InputError``, exit code 2 like the preflight's.
+    """
+    check_context(cfg, prompt_len)
+    try:
+        check_fits(cfg, world_size, device, sharing, prompt_len)
+    except ValueError as err:
+        raise InputError(str(err)) from None
+
+
+def check_context(cfg: TrainConfig, prompt_len: int) -> None:
+    """An ``InputError`` when prompt + --max-new-tokens exceeds the context the model's config states.
+
+    Past it, a model with a table of learned positions (GPT-2) fails with an IndexError traceback as
+    soon as it samples, and a rotary one (Llama) runs on, on positions it never saw. A config that
+    states no context (``hf.context_length``) passes.
+    """
+    found = hf.context_length(cfg.model)
+    if found is None:
+        return
+    field, context = found
+    longest = prompt_len + cfg.max_new_tokens
+    if longest <= context:
+        return
+    fix = (f"lower --max-new-tokens to {context - prompt_len} or less, or shorten the longest prompts"
+           if prompt_len < context else
+           "the prompt alone leaves no room for a response: shorten the longest prompts, or choose a model with a "
+           "longer context")
+    raise InputError(f"a sequence reaches {longest} tokens (the longest prompt of {cfg.prompts}, {prompt_len} tokens, "
+                     f"+ --max-new-tokens {cfg.max_new_tokens}), more than --model {cfg.model} takes ({context}, "
+                     f"{field} in its config); {fix}")
 
 
 def size(n: int) -> str:

@@ -49,6 +49,7 @@ from gradnorm.models.tinygpt import GPTConfig, TinyGPT, token_logprobs_and_entro
 from gradnorm.tasks import RepeatTask, Task
 from gradnorm.tasks.prompts import PromptTask
 from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer import guards
 from gradnorm.trainer.guards import InputError
 from gradnorm.trainer.rollout import seeded_generator
 
@@ -122,13 +123,16 @@ class HFPolicy:
         return self.model.config.pad_token_id
 
 
-def build_policy(cfg: TrainConfig, device: torch.device) -> tuple[Task, Policy]:
+def build_policy(cfg: TrainConfig, device: torch.device, world_size: int = 1,
+                 sharing: int = 1) -> tuple[Task, Policy]:
     """(task, policy): the built-in task and TinyGPT, or JSONL prompts and a Hugging Face model.
 
-    With a Hugging Face model two flags can only be checked here, each a one-line ``InputError``
-    (exit code 2): a --microbatch-tokens budget must hold the longest sequence (the prompt length
-    comes from the tokenizer, before the weights load), and --pack needs a model whose attention
-    stays inside each sequence of a packed row (``check_packs``, once the model is loaded).
+    With a Hugging Face model some checks can only be made here, each a one-line ``InputError``
+    (exit code 2). The longest prompt's length comes from the tokenizer, before the weights load:
+    prompt + response must fit the model's context and the memory estimate at that length
+    (``guards.check_prompt_length``; ``world_size`` ranks, ``sharing`` of them on this host), and a
+    --microbatch-tokens budget must hold it. --pack needs a model whose attention stays inside each
+    sequence of a packed row (``check_packs``, once the model is loaded).
     """
     if cfg.builtin:
         task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
@@ -137,6 +141,7 @@ def build_policy(cfg: TrainConfig, device: torch.device) -> tuple[Task, Policy]:
         return task, TinyGPTPolicy(model.to(device))
     tokenizer = hf.load_tokenizer(cfg.model)
     task = PromptTask.from_file(cfg.prompts, tokenizer, cfg.reward, cfg.max_new_tokens)
+    guards.check_prompt_length(cfg, task.prompt_len, world_size, device, sharing)
     if cfg.microbatch_tokens and cfg.microbatch_tokens < task.block_size:
         raise InputError(f"--microbatch-tokens {cfg.microbatch_tokens} is smaller than the longest sequence: a "
                          f"{task.block_size}-token prompt + response (the longest prompt of {cfg.prompts}, "
