@@ -154,3 +154,15 @@ def test_a_run_that_fits_only_at_prompt_length_1_is_refused_before_the_weights_l
     assert main(flags(garbage, tmp_path / "b")) == 1
     errors = error_lines(capsys)
     assert len(errors) == 1 and f"--model '{garbage}'" in errors[0] and "needs at least" not in errors[0], errors
+
+
+def test_a_gpt2_config_is_measured_by_its_own_names_and_an_unknown_naming_is_not(tmp_path):
+    """GPT-2 spells the width, depth and heads n_embd, n_layer, n_head: before, it got no estimate."""
+    import transformers
+
+    transformers.GPT2Config(n_embd=48, n_layer=3, n_head=4, vocab_size=101).save_pretrained(tmp_path / "gpt2")
+    shape = guards.model_shape(parse_config(flags(tmp_path / "gpt2", tmp_path / "out")), prompt_len=7)
+    assert (shape["width"], shape["n_layer"], shape["kv_width"], shape["vocab"], shape["prompt_len"]) == (48, 3, 48, 101, 7)
+    (tmp_path / "odd").mkdir()  # the control: names no rule knows give no estimate rather than a wrong one
+    (tmp_path / "odd" / "config.json").write_text('{"width": 48, "depth": 3, "vocab_size": 101}')
+    assert guards.model_shape(parse_config(flags(tmp_path / "odd", tmp_path / "out"))) is None

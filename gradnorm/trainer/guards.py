@@ -583,8 +583,11 @@ def model_shape(cfg: TrainConfig, prompt_len: int | None = None) -> dict | None:
         return None
     config = json.loads((path / "config.json").read_text())
     config = config.get("text_config", config)  # a multimodal model's language model
-    width, layers, vocab = (config.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
-    heads = config.get("num_attention_heads")
+    # the names most configs use, then GPT-2's (n_embd, n_layer, n_head) and T5-style ones
+    width, layers, heads = (next((config[k] for k in names if config.get(k)), None) for names in (
+        ("hidden_size", "n_embd", "d_model"), ("num_hidden_layers", "n_layer", "num_layers"),
+        ("num_attention_heads", "n_head", "num_heads")))
+    vocab = config.get("vocab_size")
     if not all(isinstance(v, int) and v > 0 for v in (width, layers, vocab, heads)):
         return None
     head_dim = config.get("head_dim") or width // heads
