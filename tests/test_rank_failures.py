@@ -4,7 +4,9 @@ or names the rank that stopped responding, and no rank prints a traceback.
 Two real torchrun launches of 2 gloo ranks (the built-in task, a few steps), started together:
 a reward that raises on rank 1 only, in its rollout of step 2 (before: rank 1 waited 30 s, then rank 0
 died in a gloo "Connection reset by peer" traceback), and a rank 1 that hangs in that rollout,
-so that rank 0's next collective times out after --timeout-s (before: a gloo "Timed out" traceback).
+so that rank 0's next collective times out after --timeout-s (before: a gloo "Timed out" traceback),
+and a rank 1 killed (SIGKILL) inside the checkpoint's writer while rank 0 writes its own shards
+(before: rank 0's traceback from the save's success all-reduce).
 Faults are injected by a wrapper script, not by a hook in the trainer.
 """
 
@@ -24,7 +26,8 @@ TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "
 # Rank 1's rewards: the pre-training evals call the reward twice, the rollout of step 1 once; the
 # 4th call (step 2's rollout) raises as a user's reward does, or hangs.
 FAULTY = '''
-import os, sys, time
+import os, signal, sys, time
+from gradnorm.dist import state
 from gradnorm.tasks import repeat
 from gradnorm.tasks.rewards import call_reward
 from gradnorm.train import main
@@ -39,10 +42,19 @@ def reward(self, response_ids, answers):
     if os.environ["RANK"] == "1" and len(calls) == 4:
         if os.environ["FAULT"] == "raise":
             call_reward(user_score, "response", "a", 0)
-        time.sleep(600)
+        if os.environ["FAULT"] == "hang":
+            time.sleep(600)
     return honest(self, response_ids, answers)
 
+honest_write = state.write
+
+def write(tensors, path):  # the checkpoint's writer (DCP), on every rank at once
+    if os.environ["RANK"] == "1" and os.environ["FAULT"] == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return honest_write(tensors, path)
+
 repeat.RepeatTask.reward = reward
+state.write = write
 sys.exit(main())
 '''
 
@@ -52,7 +64,7 @@ def launches(tmp_path_factory):
     base = tmp_path_factory.mktemp("rank_failures")
     (base / "faulty.py").write_text(FAULTY)
     procs = {}
-    for fault in ("raise", "hang"):
+    for fault in ("raise", "hang", "die"):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         cmd = torchrun_command(2, *TINY, "--output-dir", str(base / fault), script=base / "faulty.py")
@@ -74,6 +86,7 @@ def workers_lines(stderr: str) -> list[str]:
     ("raise", "error: rank 1: step 2: reward function __main__:user_score raised ValueError('my reward server is "
               "down') on sequence 0 (answer 'a')"),
     ("hang", "error: step 2: rank 1 stopped responding after 10 s (--timeout-s) in a collective (Timed out waiting"),
+    ("die", "error: step 3: rank 1 died or left the process group ("),
 ])
 def test_a_failure_on_rank_1_is_rank_0s_one_line_and_no_rank_prints_a_traceback(fault, says, launches):
     proc, out, err = launches[fault]
