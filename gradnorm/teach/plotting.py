@@ -24,7 +24,7 @@ from gradnorm.teach.palette import (  # noqa: F401  (re-exported: the palette's 
 )
 from gradnorm.teach.runs import TrainingRun, moving_average
 from gradnorm.teach.sweeps import GradientSweep
-from gradnorm.teach.views import LOG_FLOOR, X_LABEL, on_log_axis
+from gradnorm.teach.views import LOG_FLOOR, X_LABEL, nice_ceiling, on_log_axis
 
 # ---------------------------------------------------------------------------------------------
 # 1. Token imbalance
@@ -71,11 +71,15 @@ def plot_gradient_sweep(
     """Relative error and 1 - cosine against the full-batch gradient, per mode, on log axes.
 
     A log axis holds the bug (errors of 1e-2 to 1) and rounding (1e-16) at once; values below
-    ``views.LOG_FLOOR`` (0 included) are drawn at the floor. The exact modes coincide at the
+    ``views.LOG_FLOOR`` (0 included) are drawn at the floor, and the top rises above 2 only to
+    hold a larger value. The exact modes coincide at the
     rounding level, so each has its own marker, of decreasing size, drawn as concentric rings.
     Returns {mode: (error line, 1 - cosine line)}.
     """
     modes = list(sweep.relative_error) if modes is None else list(modes)
+    # The top stays at 2 (errors of order 1) unless a value passes it: nothing is drawn off the axis.
+    largest = max(float(np.max(np.concatenate(on_log_axis(sweep, mode)))) for mode in modes)
+    top = max(2.0, nice_ceiling(1.2 * largest))
     out = {}
     for mode in modes:
         style = {**mode_style(mode), "label": mode_label(mode)}
@@ -90,7 +94,7 @@ def plot_gradient_sweep(
     for ax in (ax_error, ax_cosine):
         ax.set_xlabel(X_LABEL[sweep.unit])
         ax.set_yscale("log")
-        ax.set_ylim(LOG_FLOOR / 2, 2.0)
+        ax.set_ylim(LOG_FLOOR / 2, top)
     ax_error.legend(fontsize="small", loc="center right")
     return out
 
