@@ -209,10 +209,12 @@ def describe_correct_vs_wrong(view) -> str:
         up, down = view.push_per_token[mode]
         return abs(down) / up
 
-    return (f"A wrong token is pushed down <b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is "
-            f"pushed up under sequence, {down_vs_up('token'):.2f}x under token and constant. Correct responses get "
-            f"<b>{view.update_share['sequence'][0]:.0%}</b> of the update under sequence, "
-            f"<b>{view.update_share['token'][0]:.0%}</b> under token.")
+    others = ("token", "group", "constant")
+    return (f"N = {view.tokens} tokens; pushes in units of 1/N. A wrong token is pushed down "
+            f"<b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is pushed up under sequence, "
+            + ", ".join(f"{down_vs_up(m):.2f}x under {m}" for m in others)
+            + f". Correct responses get <b>{view.update_share['sequence'][0]:.0%}</b> of the update under sequence, "
+            + ", ".join(f"{view.update_share[m][0]:.0%} under {m}" for m in others) + ".")
 
 
 def length_bias_explorer(correct_len: int = 10, wrong_len: int = 40, num_correct: int = 4, group_size: int = 8,
