@@ -177,14 +177,14 @@ def bench_widgets(reps: int) -> list[dict]:
     from gradnorm.teach.sweeps import gradient_sweep
 
     torch.set_num_threads(1)
-    imbalances = [1.0, 4.0, 12.0]
-    sweeps = {shard: gradient_sweep(imbalances, shard=shard) for shard in ("length", "balanced")}
+    spreads = [1.0, 4.0, 12.0]
+    sweeps = {shard: gradient_sweep(spreads, shard=shard) for shard in ("length", "balanced")}
     views = {
         "01 token imbalance (imbalance slider)": (widgets.token_imbalance_explorer, "imbalance", [2, 6, 3, 8]),
         "01 token imbalance (ranks W slider)": (widgets.token_imbalance_explorer, "world_size", [3, 1, 4, 2]),
-        "02 gradient error (mode dropdown)": (lambda: widgets.gradient_explorer(imbalances, sweeps=sweeps), "mode",
+        "02 gradient error (mode dropdown)": (lambda: widgets.gradient_explorer(spreads, sweeps=sweeps), "mode",
                                               ["token", "sequence", "local", "constant"]),
-        "02 gradient error (sharding dropdown)": (lambda: widgets.gradient_explorer(imbalances, sweeps=sweeps),
+        "02 gradient error (sharding dropdown)": (lambda: widgets.gradient_explorer(spreads, sweeps=sweeps),
                                                   "shard", ["balanced", "length"]),
         "04 length bias (wrong length slider)": (widgets.length_bias_explorer, "wrong_len", [20, 50, 33, 60]),
     }

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 DPI = 100
 SEED = 0
 SHARE_IMBALANCES = list(widgets.IMBALANCES)  # exact ratios: the divisors of the explorer's 24 tokens
-GRADIENT_IMBALANCES = [1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12]
+GRADIENT_SPREADS = [1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12]
 
 
 def figure_worked_example() -> tuple[Figure, dict]:
@@ -63,7 +63,7 @@ def figure_gradient_error() -> tuple[Figure, dict]:
     """02: every mode's gradient against the full batch (length sharding), and local per sharding."""
     fig = Figure(figsize=(15, 4))
     ax_error, ax_cosine, ax_shard = fig.subplots(1, 3)
-    sweeps = {shard: gradient_sweep(GRADIENT_IMBALANCES, shard=shard, seed=SEED)
+    sweeps = {shard: gradient_sweep(GRADIENT_SPREADS, shard=shard, seed=SEED)
               for shard in ("length", "contiguous", "interleave", "balanced")}  # test_figures checks this order
     plotting.plot_gradient_sweep(ax_error, ax_cosine, sweeps["length"])
     plotting.plot_sharding_comparison(ax_shard, sweeps)
@@ -72,8 +72,8 @@ def figure_gradient_error() -> tuple[Figure, dict]:
 
 
 def figure_gradient_explorer() -> tuple[Figure, dict]:
-    """02: the gradient explorer at its default settings (local, length sharding, imbalance 12)."""
-    explorer = widgets.gradient_explorer(GRADIENT_IMBALANCES)
+    """02: the gradient explorer at its default settings (local, length sharding, spread k = 12)."""
+    explorer = widgets.gradient_explorer(GRADIENT_SPREADS)
     return explorer.figure, {"values": explorer.values, "sweep": explorer.artists["sweep"]}
 
 

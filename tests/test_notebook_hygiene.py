@@ -129,11 +129,27 @@ def test_every_later_notebook_points_to_the_glossary(path):
     assert "01's glossary" in load(path).cells[0].source
 
 
-def test_the_glossary_defines_every_symbol_the_notebooks_share():
-    glossary = load(NOTEBOOKS[0]).cells[1].source
-    for term in ("| W |", "| A |", "| N |", "| S |", "| adv_i |", "| w[i, t] |", "| mode |", "| sharding |",
-                 "| imbalance |", "C = S · max_new_tokens"):
+def glossary_terms_unused(glossary: str, rest: str) -> list[str]:
+    """The glossary's symbols that the text after it never uses: a reader meets them before their use."""
+    rows = re.findall(r"^\| ([^|]+?) \|", glossary, re.M)
+    symbols = [s.strip() for row in rows[1:] for s in re.split(r",(?![^\[]*\])", row)]  # rows[0]: the header
+    return [s for s in symbols if s.replace("\\", "") not in rest.replace("\\", "")]
+
+
+def test_the_glossary_defines_what_01_uses_and_nothing_before_its_use():
+    cells = load(NOTEBOOKS[0]).cells
+    glossary, rest = cells[1].source, "\n".join(c.source for c in cells[2:])
+    for term in ("| W |", "| A |", "| N |", "| w[i, t] |", "| mode |", "| imbalance |"):
         assert term in glossary, term
+    assert glossary_terms_unused(glossary, rest) == []
+    # the control: a symbol 01 never uses (the group count of 02) would be flagged
+    assert glossary_terms_unused(glossary + "\n| N_groups | groups with a token |", rest) == ["N_groups"]
+
+
+def test_02_defines_the_symbols_of_its_modes_where_it_names_them():
+    table = next(c.source for c in load(NOTEBOOKS[1]).cells if c.source.startswith("## 2. Five modes"))
+    for term in ("S =", "N_g =", "N_groups =", "C = S · max_new_tokens", "G ="):
+        assert term in table, term
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

@@ -79,8 +79,24 @@ def test_each_axis_state_is_drawn_once_then_pasted():
     for value in (2, 8, 2, 8, 2):
         explorer.update(imbalance=value)
     assert (explorer.canvas.axis_draws, explorer.canvas.full_redraws) == (draws, redraws)
-    explorer.update(imbalance=24)  # a new y limit: its axis is drawn once
+    explorer.update(world_size=5)  # five ranks: the share panel's axis takes a new state, drawn once
     assert explorer.canvas.axis_draws > draws and explorer.canvas.full_redraws == redraws
+
+
+def test_the_weight_axis_stays_put_and_the_short_microbatch_is_named():
+    # Frames compare only on one height axis; the note gives the thin bar's shares, read off the layout.
+    explorer = widgets.token_imbalance_explorer()
+    limits = set()
+    for values in ({"imbalance": 1}, {"imbalance": 24}, {"world_size": 8, "accum_steps": 8}, {"imbalance": 4}):
+        artists = explorer.update(**values)
+        limits.add(explorer.figure.axes[0].get_ylim())
+        lay, n = artists["layout"]["local"], artists["layout"]["local"].length.sum()
+        tallest = float(lay.weight.max() * n)
+        assert tallest <= explorer.figure.axes[0].get_ylim()[1]
+        first = (lay.rank == 0) & (lay.microbatch == 0)
+        assert f"{lay.length[first].sum() / n:.1%} of the tokens" in artists["note"].get_text()
+        assert f"{(lay.weight[first] * lay.length[first]).sum():.1%} of the update" in artists["note"].get_text()
+    assert len(limits) == 1  # an axis following the data would take three limits here (1.25, 25, 4)
 
 
 def test_a_view_change_it_did_not_declare_dynamic_is_drawn_anyway():
@@ -128,22 +144,22 @@ def test_bar_heights_follow_the_sliders(world_size, accum_steps, imbalance):
         assert_allclose(local.update, local.tokens)
 
 
-IMBALANCES = [1, 4, 12]
+SPREADS = [1, 4, 12]
 
 
 @pytest.fixture(scope="module")
 def gradient_explorer():
-    return widgets.gradient_explorer(IMBALANCES)
+    return widgets.gradient_explorer(SPREADS)
 
 
 def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
     from gradnorm.teach.views import LOG_FLOOR
 
     explorer = gradient_explorer
-    explorer.update(mode="local", shard="length", imbalance=12.0)
+    explorer.update(mode="local", shard="length", spread=12.0)
     error_line, cosine_line = explorer.artists["lines"]["local"]
     sweep = explorer.artists["sweep"]
-    assert_allclose(error_line.get_xdata(), IMBALANCES)
+    assert_allclose(error_line.get_xdata(), SPREADS)
     assert_allclose(error_line.get_ydata(), np.maximum(sweep.relative_error["local"], LOG_FLOOR))
     assert_allclose(cosine_line.get_ydata(), np.maximum(1 - sweep.cosine["local"], LOG_FLOOR))
     assert error_line.get_ydata()[-1] > 0.3 and error_line.get_ydata()[0] < 1e-12
@@ -151,9 +167,9 @@ def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
     assert f"relative error {sweep.relative_error['local'][-1]:.3g}" in explorer.readout.value
 
 
-def test_gradient_explorer_mode_shard_and_imbalance(gradient_explorer):
+def test_gradient_explorer_mode_shard_and_spread(gradient_explorer):
     explorer = gradient_explorer
-    explorer.update(mode="local", shard="length", imbalance=12.0)
+    explorer.update(mode="local", shard="length", spread=12.0)
     length_tokens = bar_heights(explorer.artists["tokens"])
     explorer.controls["mode"].value = "token"
     error_line, cosine_line = explorer.artists["lines"]["token"]
@@ -162,7 +178,7 @@ def test_gradient_explorer_mode_shard_and_imbalance(gradient_explorer):
     balanced_tokens = bar_heights(explorer.artists["tokens"])
     assert balanced_tokens.max() - balanced_tokens.min() < length_tokens.max() - length_tokens.min()
     assert "balanced sharding" in explorer.readout.value
-    explorer.controls["imbalance"].value = 1.0
+    explorer.controls["spread"].value = 1.0
     assert_allclose(bar_heights(explorer.artists["tokens"]), 8 * 12)  # every response has 12 tokens
     assert explorer.artists["index"] == 0
 

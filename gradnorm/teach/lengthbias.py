@@ -86,6 +86,7 @@ class CorrectVsWrong:
     group_size: int
     advantage_correct: float
     advantage_wrong: float
+    tokens: int  # N: the group's tokens, the unit 1/N of the pushes (it changes with the lengths)
     push_per_token: dict[str, tuple[float, float]]  # mode -> (correct token, wrong token), in units of 1/N
     update_share: dict[str, tuple[float, float]]  # mode -> share of sum |push| on (correct, wrong) responses
 
@@ -118,7 +119,7 @@ def correct_vs_wrong(
         share[m] = (float(s[0]), float(s[1]))
     return CorrectVsWrong(
         correct_len=correct_len, wrong_len=wrong_len, num_correct=num_correct, group_size=group_size,
-        advantage_correct=float(adv[0]), advantage_wrong=float(adv[-1]), push_per_token=push, update_share=share,
+        advantage_correct=float(adv[0]), advantage_wrong=float(adv[-1]), tokens=tokens, push_per_token=push, update_share=share,
     )
 
 

@@ -24,7 +24,7 @@ from gradnorm.teach.palette import (  # noqa: F401  (re-exported: the palette's 
 )
 from gradnorm.teach.runs import TrainingRun, moving_average
 from gradnorm.teach.sweeps import GradientSweep
-from gradnorm.teach.views import IMBALANCE_LABEL, LOG_FLOOR, on_log_axis
+from gradnorm.teach.views import LOG_FLOOR, X_LABEL, nice_ceiling, on_log_axis
 
 # ---------------------------------------------------------------------------------------------
 # 1. Token imbalance
@@ -71,26 +71,30 @@ def plot_gradient_sweep(
     """Relative error and 1 - cosine against the full-batch gradient, per mode, on log axes.
 
     A log axis holds the bug (errors of 1e-2 to 1) and rounding (1e-16) at once; values below
-    ``views.LOG_FLOOR`` (0 included) are drawn at the floor. The exact modes coincide at the
+    ``views.LOG_FLOOR`` (0 included) are drawn at the floor, and the top rises above 2 only to
+    hold a larger value. The exact modes coincide at the
     rounding level, so each has its own marker, of decreasing size, drawn as concentric rings.
     Returns {mode: (error line, 1 - cosine line)}.
     """
     modes = list(sweep.relative_error) if modes is None else list(modes)
+    # The top stays at 2 (errors of order 1) unless a value passes it: nothing is drawn off the axis.
+    largest = max(float(np.max(np.concatenate(on_log_axis(sweep, mode)))) for mode in modes)
+    top = max(2.0, nice_ceiling(1.2 * largest))
     out = {}
     for mode in modes:
         style = {**mode_style(mode), "label": mode_label(mode)}
         error, one_minus_cos = on_log_axis(sweep, mode)
-        out[mode] = (ax_error.plot(sweep.imbalance, error, **style)[0],
-                     ax_cosine.plot(sweep.imbalance, one_minus_cos, **style)[0])
+        out[mode] = (ax_error.plot(sweep.x, error, **style)[0],
+                     ax_cosine.plot(sweep.x, one_minus_cos, **style)[0])
     where = f"{sweep.world_size} ranks x {sweep.accum_steps} microbatches, {sweep.shard} sharding"
     ax_error.set_title(f"relative error vs the full batch\n({where})", fontsize="medium")
     ax_error.set_ylabel("|g - g_full| / |g_full|")
     ax_cosine.set_title(f"1 - cosine with the full batch\n({where})", fontsize="medium")
     ax_cosine.set_ylabel("1 - cos(g, g_full)")
     for ax in (ax_error, ax_cosine):
-        ax.set_xlabel(IMBALANCE_LABEL[sweep.unit])
+        ax.set_xlabel(X_LABEL[sweep.unit])
         ax.set_yscale("log")
-        ax.set_ylim(LOG_FLOOR / 2, 2.0)
+        ax.set_ylim(LOG_FLOOR / 2, top)
     ax_error.legend(fontsize="small", loc="center right")
     return out
 
@@ -98,13 +102,13 @@ def plot_gradient_sweep(
 def plot_sharding_comparison(
     ax: Axes, sweeps: dict[str, GradientSweep], mode: str = "local"
 ) -> dict[str, Line2D]:
-    """One mode's relative error against the imbalance, one line per sharding."""
+    """One mode's relative error against the spread k, one line per sharding."""
     out = {}
     for shard, sweep in sweeps.items():
-        out[shard] = ax.plot(sweep.imbalance, sweep.relative_error[mode], ms=4, color=MODE_COLORS[mode],
+        out[shard] = ax.plot(sweep.x, sweep.relative_error[mode], ms=4, color=MODE_COLORS[mode],
                              label=shard, **SHARD_STYLES[shard])[0]
     ax.set_title(f"{mode}: relative error under each sharding", fontsize="medium")
-    ax.set_xlabel(IMBALANCE_LABEL[next(iter(sweeps.values())).unit])
+    ax.set_xlabel(X_LABEL[next(iter(sweeps.values())).unit])
     ax.set_ylabel("|g - g_full| / |g_full|")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize="small", title="sharding", title_fontsize="small")

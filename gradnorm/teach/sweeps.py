@@ -1,9 +1,9 @@
 """Gradient sweeps: each mode's sharded gradient against the full batch, for GRPO, SFT and DPO.
 
 Notebooks 02 and 05. ``ragged_lengths`` makes a minibatch's responses more ragged as the
-imbalance grows; ``policy_gradient`` is the gradient of one optimizer step of ``toy``'s policy
+spread k grows; ``policy_gradient`` is the gradient of one optimizer step of ``toy``'s policy
 under a mode and a plan (``simulate.simulated_gradient``: W simulated ranks x A microbatches);
-``gradient_sweep`` compares it with the full-batch gradient (``compare``) over imbalances, with
+``gradient_sweep`` compares it with the full-batch gradient (``compare``) over spreads, with
 GRPO's loss or SFT's cross-entropy. DPO averages over preference pairs: ``dpo_sweep`` packs pairs
 under a token budget (``packed_pairs``) and measures the per-microbatch mean over pairs.
 """
@@ -28,18 +28,18 @@ MAX_LEN = 12  # harness.run_ddp's workers build make_problem with its default ma
 GROUP_SIZE = 4  # ... and its default group size
 
 
-def ragged_lengths(imbalance: float, num_sequences: int = 32, max_len: int = MAX_LEN, seed: int = 0) -> tuple[int, ...]:
-    """Response lengths spread log-uniformly between max_len / imbalance and max_len (rounded).
+def ragged_lengths(spread: float, num_sequences: int = 32, max_len: int = MAX_LEN, seed: int = 0) -> tuple[int, ...]:
+    """Response lengths spread log-uniformly between max_len / spread and max_len (rounded).
 
-    The same seeded draw u_i in [0, 1) serves every imbalance: |o_i| = round(max_len * imbalance^-u_i),
-    at least 1. imbalance = 1 makes every response max_len long; larger values make them ragged
-    while keeping the same order. ``imbalance`` is the parameter of the draw, not the ratio of the
+    The same seeded draw u_i in [0, 1) serves every spread k: |o_i| = round(max_len * k^-u_i),
+    at least 1. k = 1 makes every response max_len long; larger values make them ragged
+    while keeping the same order. ``spread`` is the parameter of the draw, not the ratio of the
     longest to the shortest response: a finite draw need not reach either end (notebook 02 prints
     the lengths each value gives).
     """
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(num_sequences, generator=g, dtype=torch.float64)
-    lengths = torch.round(max_len * imbalance ** (-u)).clamp(min=1, max=max_len)
+    lengths = torch.round(max_len * spread ** (-u)).clamp(min=1, max=max_len)
     return tuple(int(x) for x in lengths)
 
 
@@ -93,7 +93,7 @@ class GradientSweep:
     shard: str
     world_size: int
     accum_steps: int
-    imbalance: np.ndarray  # (K,) the ``ragged_lengths`` parameter
+    x: np.ndarray  # (K,) the x axis: the spread k of ``ragged_lengths`` (unit tokens) or the pair ratio (pairs)
     microbatch_tokens: np.ndarray  # (K, W, A) N[r, m] under the sharding (DPO: pairs, see ``unit``)
     relative_error: dict[str, np.ndarray]  # mode -> (K,)
     cosine: dict[str, np.ndarray]  # mode -> (K,)
@@ -101,7 +101,7 @@ class GradientSweep:
 
 
 def gradient_sweep(
-    imbalances: Sequence[float],
+    spreads: Sequence[float],
     modes: Sequence[str] = MODE_NAMES,
     shard: str = "length",
     world_size: int = 2,
@@ -110,7 +110,7 @@ def gradient_sweep(
     seed: int = 0,
     loss: str = "grpo",
 ) -> GradientSweep:
-    """For each imbalance and mode: shard the minibatch, simulate W ranks x A microbatches, and
+    """For each spread k and mode: shard the minibatch, simulate W ranks x A microbatches, and
     compare the gradient with the same mode's full-batch gradient (W = A = 1).
 
     The full-batch gradient of ``local`` is the token mean's (one microbatch: one local mean), so
@@ -119,7 +119,7 @@ def gradient_sweep(
     rel = {m: [] for m in modes}
     cos = {m: [] for m in modes}
     tokens = []
-    for k in imbalances:
+    for k in spreads:
         lengths = ragged_lengths(k, num_sequences, seed=seed)
         plan = make_plan(shard, torch.tensor(lengths), world_size, accum_steps)
         tokens.append([[sum(lengths[i] for i in mb.tolist()) for mb in rank] for rank in plan])
@@ -128,7 +128,7 @@ def gradient_sweep(
             rel[m].append(r)
             cos[m].append(c)
     return GradientSweep(
-        shard=shard, world_size=world_size, accum_steps=accum_steps, imbalance=np.asarray(imbalances, dtype=float),
+        shard=shard, world_size=world_size, accum_steps=accum_steps, x=np.asarray(spreads, dtype=float),
         microbatch_tokens=np.array(tokens), relative_error={m: np.array(v) for m, v in rel.items()},
         cosine={m: np.array(v) for m, v in cos.items()},
     )
@@ -175,18 +175,18 @@ def dpo_gradient(lengths: Sequence[int], mode: str, plan: Plan | None = None, se
 
 
 def packed_pairs(
-    imbalance: float, world_size: int = 2, accum_steps: int = 2, pairs_per_microbatch: int = 8, short_length: int = 6,
+    pair_ratio: float, world_size: int = 2, accum_steps: int = 2, pairs_per_microbatch: int = 8, short_length: int = 6,
 ) -> tuple[tuple[int, ...], Plan]:
     """Preference pairs packed under one token budget per microbatch: long pairs, fewer per microbatch.
 
     Every microbatch holds the same tokens, 2 * short_length * pairs_per_microbatch. Rank 0's
-    first one holds n = max(1, round(pairs_per_microbatch / imbalance)) long pairs (responses of
+    first one holds n = max(1, round(pairs_per_microbatch / pair_ratio)) long pairs (responses of
     short_length * pairs_per_microbatch / n tokens); every other one holds pairs_per_microbatch
     short pairs. Returns the response lengths (chosen, rejected, chosen, ...) and the plan over pairs.
     """
-    if imbalance < 1:
-        raise ValueError(f"imbalance is a ratio of pair counts, >= 1; got {imbalance}")
-    n_long = max(1, round(pairs_per_microbatch / imbalance))
+    if pair_ratio < 1:
+        raise ValueError(f"the pair ratio is a ratio of pair counts, >= 1; got {pair_ratio}")
+    n_long = max(1, round(pairs_per_microbatch / pair_ratio))
     long_length = round(short_length * pairs_per_microbatch / n_long)
     counts = [n_long] + [pairs_per_microbatch] * (world_size * accum_steps - 1)
     lengths = [long_length] * (2 * n_long) + [short_length] * (2 * (sum(counts) - n_long))
@@ -204,12 +204,12 @@ def pairs_as_minibatch(plan: Plan) -> ShardedBatch:
 
 
 def dpo_sweep(
-    imbalances: Sequence[float], world_size: int = 2, accum_steps: int = 2, pairs_per_microbatch: int = 8,
+    pair_ratios: Sequence[float], world_size: int = 2, accum_steps: int = 2, pairs_per_microbatch: int = 8,
     short_length: int = 6, seed: int = 0,
 ) -> GradientSweep:
     """DPO's gradient under ``local`` and ``global`` against the full batch, for ``packed_pairs``.
 
-    imbalance = pairs in a full microbatch / pairs in the microbatch of long pairs. At imbalance 1
+    pair ratio = pairs in a full microbatch / pairs in the microbatch of long pairs. At pair ratio 1
     every microbatch holds the same number of pairs and the mean of means is exact (the control).
     ``microbatch_tokens`` counts pairs here (``unit``).
     """
@@ -217,8 +217,8 @@ def dpo_sweep(
     cos = {m: [] for m in DPO_MODES}
     pairs_per_mb = []
     max_len = max(round(short_length * pairs_per_microbatch / max(1, round(pairs_per_microbatch / k)))
-                  for k in imbalances)
-    for k in imbalances:
+                  for k in pair_ratios)
+    for k in pair_ratios:
         lengths, plan = packed_pairs(k, world_size, accum_steps, pairs_per_microbatch, short_length)
         pairs_per_mb.append([[len(mb) for mb in rank] for rank in plan])
         for m in DPO_MODES:
@@ -227,7 +227,7 @@ def dpo_sweep(
             cos[m].append(c)
     return GradientSweep(
         shard="token budget", world_size=world_size, accum_steps=accum_steps,
-        imbalance=np.asarray(imbalances, dtype=float), microbatch_tokens=np.array(pairs_per_mb),
+        x=np.asarray(pair_ratios, dtype=float), microbatch_tokens=np.array(pairs_per_mb),
         relative_error={m: np.array(v) for m, v in rel.items()}, cosine={m: np.array(v) for m, v in cos.items()},
         unit="pairs",
     )

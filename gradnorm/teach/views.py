@@ -25,7 +25,7 @@ from gradnorm.teach.lengthbias import CorrectVsWrong
 from gradnorm.teach.palette import MODE_COLORS, NEUTRAL_COLOR, TOKENS_COLOR, mode_style, rank_color
 from gradnorm.teach.sweeps import GradientSweep
 
-IMBALANCE_LABEL = {"tokens": "imbalance k: response lengths drawn from 12/k to 12 tokens",
+X_LABEL = {"tokens": "spread k: response lengths drawn from 12/k to 12 tokens",
                    "pairs": "pair ratio: pairs in a full microbatch / in the long-pair one"}
 
 
@@ -54,13 +54,16 @@ class ImbalanceView:
 
     Left: one bar per response, laid out rank by rank and microbatch by microbatch; its width is
     its share of the minibatch's tokens, its height w x N (a token's weight in units of the token
-    mean 1/N), so its area is its share of the update; the dashed line at 1 is ``reference``.
+    mean 1/N), so its area is its share of the update; the dashed line at 1 is ``reference``. A note
+    beside rank 0's first microbatch gives its shares of the tokens and of the update, which a thin
+    bar hides. ``ymax`` fixes the height axis (an explorer: frames stay comparable); without it the
+    axis follows the data (one static figure).
     Right: each rank's share of the tokens next to its share of the update under both modes.
     """
 
     def __init__(self, fig: Figure, max_sequences: int = 128, max_ranks: int = 8, mode: str = "local",
-                 reference: str = "token"):
-        self.mode, self.reference = mode, reference
+                 reference: str = "token", ymax: float | None = None):
+        self.mode, self.reference, self.ymax = mode, reference, ymax
         self.ax_w, self.ax_s = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.3, 1]})
         ax = self.ax_w
         self.bars = list(ax.bar(np.zeros(max_sequences), np.zeros(max_sequences), width=0.0, align="edge",
@@ -71,7 +74,10 @@ class ImbalanceView:
                                                            transform=ax.get_xaxis_transform()), autolim=False)
         self.mb_lines = ax.add_collection(LineCollection([], colors="black", linewidths=0.8, linestyles=":",
                                                          transform=ax.get_xaxis_transform()), autolim=False)
+        self.note = ax.text(0.0, 0.0, "", fontsize="small", va="bottom", color=MODE_COLORS[mode])
         ax.set_xlim(-0.006, 1.0)
+        if ymax is not None:
+            ax.set_ylim(0, ymax)
         ax.set_xlabel("share of the minibatch's response tokens (rank by rank, microbatch by microbatch)")
         ax.set_ylabel("w × N: a token's weight in units of 1/N")
         ax.set_title(f"{mode}: weight of each token (bar colour: rank; area: share of the update)",
@@ -94,8 +100,8 @@ class ImbalanceView:
         ax.set_ylabel("share")
         ax.set_title("each rank's share", loc="left", fontsize="medium")
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", borderaxespad=0)
-        self.dynamic: list[Artist] = [*self.bars, self.rank_lines, self.mb_lines, self.line, *_spines(self.ax_w),
-                                      self.ax_w.yaxis, *[b for bars in self.share_bars.values() for b in bars],
+        self.dynamic: list[Artist] = [*self.bars, self.rank_lines, self.mb_lines, self.line, self.note,
+                                      *_spines(self.ax_w), *([self.ax_w.yaxis] if ymax is None else []), *[b for bars in self.share_bars.values() for b in bars],
                                       self.fair, *_spines(self.ax_s), self.ax_s.xaxis]
 
     def update(self, batch: ShardedBatch) -> dict:
@@ -123,7 +129,16 @@ class ImbalanceView:
             new_mb = new_mb[:0]
         self.rank_lines.set_segments([[(starts[j], 0), (starts[j], 1)] for j in new_rank])
         self.mb_lines.set_segments([[(starts[j], 0), (starts[j], 1)] for j in new_mb])
-        self.ax_w.set_ylim(0, nice_ceiling(1.1 * max(float((lay.weight * n).max(initial=0.0)), 1.0)))
+        top = self.ymax or nice_ceiling(1.1 * max(float((lay.weight * n).max(initial=0.0)), 1.0))
+        if self.ymax is None:
+            self.ax_w.set_ylim(0, top)
+        first = (lay.rank == 0) & (lay.microbatch == 0)  # rank 0's first microbatch
+        first_tokens = float(lay.length[first].sum()) / n
+        first_update = float((lay.weight[first] * lay.length[first]).sum())
+        height = float(lay.weight[first].max(initial=0.0)) * n
+        self.note.set_position((0.0, min(height + 0.03 * top, 0.9 * top)))
+        self.note.set_text(f"\u2199 rank 0's first microbatch: {first_tokens:.1%} of the tokens, "
+                           f"{first_update:.1%} of the update")
 
         world_size = len(shares[self.mode].tokens)
         values = {"tokens": shares[self.mode].tokens, self.mode: shares[self.mode].update,
@@ -137,7 +152,7 @@ class ImbalanceView:
         self.ax_s.set_xlim(-0.35, world_size - 0.35)
         self.ax_s.set_xticks(np.arange(world_size) + 0.8 / 3,
                              [f"rank {r}" if world_size <= 4 else str(r) for r in range(world_size)])
-        return {"layout": layouts, "shares": shares, "weights": {self.mode: self.bars[:count]},
+        return {"layout": layouts, "shares": shares, "weights": {self.mode: self.bars[:count]}, "note": self.note,
                 "line": self.line, "share_bars": {k: bars[:world_size] for k, bars in self.share_bars.items()}}
 
 
@@ -150,11 +165,11 @@ def imbalance_figure(fig: Figure, batch: ShardedBatch) -> dict:
 
 
 class GradientView:
-    """Notebook 02: microbatch token counts at one imbalance, and one mode's gradient error over all of them."""
+    """Notebook 02: microbatch token counts at one spread k, and one mode's gradient error over all of them."""
 
-    def __init__(self, fig: Figure, imbalances: Sequence[float], world_size: int, accum_steps: int,
+    def __init__(self, fig: Figure, spreads: Sequence[float], world_size: int, accum_steps: int,
                  unit: str = "tokens"):
-        self.imbalances = np.asarray(imbalances, dtype=float)
+        self.spreads = np.asarray(spreads, dtype=float)
         self.ax_t, self.ax_e, self.ax_c = fig.subplots(1, 3)
         ax = self.ax_t
         labels = [f"r{r}/m{m}" for r in range(world_size) for m in range(accum_steps)]
@@ -167,13 +182,13 @@ class GradientView:
         self.lines, self.dots = [], []
         for ax, title, ylabel in ((self.ax_e, "relative error vs the full batch", "|g - g_full| / |g_full|"),
                                   (self.ax_c, "1 - cosine with the full batch", "1 - cos(g, g_full)")):
-            self.lines.append(ax.plot(self.imbalances, np.ones(len(self.imbalances)))[0])
+            self.lines.append(ax.plot(self.spreads, np.ones(len(self.spreads)))[0])
             self.dots.append(ax.plot([1.0], [1.0], "o", ms=10, alpha=0.5)[0])
-            span = self.imbalances.max() - self.imbalances.min()
-            ax.set_xlim(self.imbalances.min() - 0.04 * span - 0.1, self.imbalances.max() + 0.04 * span + 0.1)
+            span = self.spreads.max() - self.spreads.min()
+            ax.set_xlim(self.spreads.min() - 0.04 * span - 0.1, self.spreads.max() + 0.04 * span + 0.1)
             ax.set_yscale("log")  # rounding (1e-16) and the bug (1e-1) on one fixed axis
             ax.set_ylim(LOG_FLOOR, 2.0)
-            ax.set_xlabel(IMBALANCE_LABEL[unit])
+            ax.set_xlabel(X_LABEL[unit])
             ax.set_ylabel(ylabel)
             ax.set_title(title, loc="left", fontsize="medium")
         self.mode_text = self.ax_e.text(0.97, 0.55, "", transform=self.ax_e.transAxes, ha="right", va="center",
@@ -183,18 +198,18 @@ class GradientView:
             self.dynamic += [line, dot, *_spines(ax)]
         self.dynamic.append(self.mode_text)
 
-    def update(self, sweep: GradientSweep, mode: str, imbalance: float) -> dict:
-        k = int(np.argmin(np.abs(sweep.imbalance - imbalance)))
+    def update(self, sweep: GradientSweep, mode: str, spread: float) -> dict:
+        k = int(np.argmin(np.abs(sweep.x - spread)))
         tokens = sweep.microbatch_tokens[k].reshape(-1)
         for rect, value in zip(self.bars, tokens):
             rect.set_height(value)
         self.ax_t.set_ylim(0, nice_ceiling(1.3 * max(float(tokens.max()), 1.0)))
-        self.setting.set_text(f"{sweep.shard} sharding, imbalance {sweep.imbalance[k]:g}")
+        self.setting.set_text(f"{sweep.shard} sharding, spread k = {sweep.x[k]:g}")
         style = mode_style(mode)
         for line, dot, y in zip(self.lines, self.dots, on_log_axis(sweep, mode)):
-            line.set_data(sweep.imbalance, y)
+            line.set_data(sweep.x, y)
             line.set(color=style["color"], marker=style["marker"], ls=style["ls"], ms=4, mfc=style["color"])
-            dot.set_data([sweep.imbalance[k]], [y[k]])
+            dot.set_data([sweep.x[k]], [y[k]])
             dot.set_color(style["color"])
         self.mode_text.set_text(f"mode: {mode}")
         self.mode_text.set_color(style["color"])

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 
 from gradnorm.teach import views
 from gradnorm.teach.canvas import BlitCanvas
-from gradnorm.teach.imbalance import ShardedBatch, imbalanced_minibatch
+from gradnorm.teach.imbalance import ShardedBatch, imbalanced_minibatch, token_layout
 from gradnorm.teach.lengthbias import correct_vs_wrong
 from gradnorm.core.modes import INVARIANT_MODES, MODE_NAMES
 from gradnorm.teach.palette import MODE_COLORS
@@ -144,7 +144,11 @@ def token_imbalance_explorer(world_size: int = 2, accum_steps: int = 2, imbalanc
                                              continuous_update=False, style=_STYLE),
     }
     fig = Figure(figsize=(13, 3.8), dpi=80)
-    view = views.ImbalanceView(fig, max_sequences=8 * 8 * 2, max_ranks=8)
+    # One height axis for every frame, so that frames compare: up to the tallest bar the sliders can make,
+    # a token of the short microbatch at W = A = 8 and imbalance 24 (the taller the more microbatches).
+    tallest = token_layout(token_imbalance_batch(8, 8, max(IMBALANCES)), "local")
+    ymax = views.nice_ceiling(1.05 * float(tallest.weight.max() * tallest.length.sum()))
+    view = views.ImbalanceView(fig, max_sequences=8 * 8 * 2, max_ranks=8, ymax=ymax)
 
     def draw(world_size: int, accum_steps: int, imbalance: int) -> tuple[dict, str]:
         batch = token_imbalance_batch(world_size, accum_steps, imbalance)
@@ -161,27 +165,27 @@ def token_imbalance_explorer(world_size: int = 2, accum_steps: int = 2, imbalanc
 
 
 def gradient_explorer(
-    imbalances: Sequence[float], mode: str = "local", shard: str = "length", world_size: int = 2, accum_steps: int = 2,
+    spreads: Sequence[float], mode: str = "local", shard: str = "length", world_size: int = 2, accum_steps: int = 2,
     sweeps: dict[str, GradientSweep] | None = None,
 ) -> Explorer:
-    """Pick a mode, a sharding and an imbalance; see the microbatch tokens and the gradient error.
+    """Pick a mode, a sharding and a spread k; see the microbatch tokens and the gradient error.
 
     Each sharding's sweep (all modes) is computed once, on first use; pass ``sweeps`` already
     computed by ``gradnorm.teach.sweeps.gradient_sweep`` with the same settings to reuse them.
     """
     sweeps = dict(sweeps or {})
     fig = Figure(figsize=(14, 3.8), dpi=80)
-    view = views.GradientView(fig, imbalances, world_size, accum_steps)
+    view = views.GradientView(fig, spreads, world_size, accum_steps)
 
-    def draw(mode: str, shard: str, imbalance: float) -> tuple[dict, str]:
+    def draw(mode: str, shard: str, spread: float) -> tuple[dict, str]:
         if shard not in sweeps:
-            sweeps[shard] = gradient_sweep(imbalances, shard=shard, world_size=world_size, accum_steps=accum_steps)
+            sweeps[shard] = gradient_sweep(spreads, shard=shard, world_size=world_size, accum_steps=accum_steps)
         sweep = sweeps[shard]
-        artists = view.update(sweep, mode, imbalance)
+        artists = view.update(sweep, mode, spread)
         artists["sweep"] = sweep
         k = artists["index"]
         tokens = sweep.microbatch_tokens[k]
-        text = (f"{shard} sharding, imbalance {sweep.imbalance[k]:g}: microbatches hold {tokens.min()} to "
+        text = (f"{shard} sharding, spread k = {sweep.x[k]:g}: microbatches hold {tokens.min()} to "
                 f"{tokens.max()} tokens.<br><b>{_colored(mode)}: relative error {sweep.relative_error[mode][k]:.3g}, "
                 f"cosine {sweep.cosine[mode][k]:.4f}</b> against the full-batch gradient.")
         return artists, text
@@ -189,8 +193,8 @@ def gradient_explorer(
     controls = {
         "mode": widgets.Dropdown(options=list(MODE_NAMES), value=mode, description="mode"),
         "shard": widgets.Dropdown(options=list(SHARD_KINDS), value=shard, description="sharding"),
-        "imbalance": widgets.SelectionSlider(options=[float(k) for k in imbalances], value=float(imbalances[-1]),
-                                             description="imbalance", continuous_update=False, style=_STYLE),
+        "spread": widgets.SelectionSlider(options=[float(k) for k in spreads], value=float(spreads[-1]),
+                                          description="spread k", continuous_update=False, style=_STYLE),
     }
     return Explorer(controls, fig, view.dynamic, draw)
 
@@ -205,10 +209,12 @@ def describe_correct_vs_wrong(view) -> str:
         up, down = view.push_per_token[mode]
         return abs(down) / up
 
-    return (f"A wrong token is pushed down <b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is "
-            f"pushed up under sequence, {down_vs_up('token'):.2f}x under token and constant. Correct responses get "
-            f"<b>{view.update_share['sequence'][0]:.0%}</b> of the update under sequence, "
-            f"<b>{view.update_share['token'][0]:.0%}</b> under token.")
+    others = ("token", "group", "constant")
+    return (f"N = {view.tokens} tokens; pushes in units of 1/N. A wrong token is pushed down "
+            f"<b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is pushed up under sequence, "
+            + ", ".join(f"{down_vs_up(m):.2f}x under {m}" for m in others)
+            + f". Correct responses get <b>{view.update_share['sequence'][0]:.0%}</b> of the update under sequence, "
+            + ", ".join(f"{view.update_share[m][0]:.0%} under {m}" for m in others) + ".")
 
 
 def length_bias_explorer(correct_len: int = 10, wrong_len: int = 40, num_correct: int = 4, group_size: int = 8,
