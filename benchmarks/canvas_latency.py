@@ -26,8 +26,9 @@ draws each image it receives). Both include the comm message to the kernel, the 
 update, the render, the transfer and the decode. Presses rotate over the three figures, each
 toggling its slider between two values, and every press waits until the kernel is idle and the
 page quiet, so one press never overlaps the next. The same script also times the kernel side
-alone, in this process: ``BlitCanvas.png()`` against a full Agg draw plus a PNG of it, ipympl's
-work per frame.
+alone, in this process: ``BlitCanvas.png()`` against a full Agg draw plus a PNG of it (ipympl's
+work per frame), and the PNG encoder alone (``canvas.encode_png`` against Pillow's, at its default
+and at its fastest compression) on the same 1040 x 304 frame.
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ def kernel_side(rounds: int) -> dict[str, list[float]]:
     """Seconds per frame in this process: BlitCanvas.png() against a full Agg draw and a PNG of it."""
     import io
 
+    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from gradnorm.teach.widgets import token_imbalance_explorer
@@ -213,7 +215,12 @@ def kernel_side(rounds: int) -> dict[str, list[float]]:
     agg = FigureCanvasAgg(full_ex.figure)
     for artist in full_ex.canvas.dynamic:  # an ipympl figure draws everything every frame
         artist.set_animated(False)
-    times: dict[str, list[float]] = {"canvas": [], "full draw + PNG": []}
+    from PIL import Image
+
+    from gradnorm.teach.canvas import encode_png
+
+    times: dict[str, list[float]] = {"canvas": [], "full draw + PNG": [], "PNG of a frame: encode_png": [],
+                                     "PNG of a frame: Pillow": [], "PNG of a frame: Pillow, compress_level=1": []}
     for r in range(rounds):
         value = (4, 6)[r % 2]
         full_ex._holding = canvas_ex._holding = True  # time the render alone, not the observer
@@ -226,6 +233,14 @@ def kernel_side(rounds: int) -> dict[str, list[float]]:
         agg.draw()
         agg.print_png(io.BytesIO())
         times["full draw + PNG"].append(time.perf_counter() - start)
+        rgba = np.asarray(agg.buffer_rgba())
+        for name, encode in (("encode_png", encode_png),
+                             ("Pillow", lambda a: Image.fromarray(a).save(io.BytesIO(), format="png")),
+                             ("Pillow, compress_level=1",
+                              lambda a: Image.fromarray(a).save(io.BytesIO(), format="png", compress_level=1))):
+            start = time.perf_counter()
+            encode(rgba)
+            times[f"PNG of a frame: {name}"].append(time.perf_counter() - start)
     return times
 
 
@@ -263,7 +278,7 @@ def main() -> None:
         row("ipympl (draw_idle)", browser["ipympl"]),
         row("ipympl with matplotlib's blitting (restore_region, draw_artist, blit)", browser["blit"]),
         "",
-        "The kernel's share alone (this process, the same figure, milliseconds per frame):",
+        "The kernel's share alone (this process, the same figure, milliseconds per frame), and the PNG encoder alone:",
         "",
         "| render | median ms | min ms | max ms | frames within 100 ms |",
         "|---|---|---|---|---|",
