@@ -55,8 +55,9 @@ except ValueError as err:  # what gradnorm/train.py does with it
     raise SystemExit(2)
 """
 PARSERS = {"argparse": ARGPARSE + VALIDATE, "tyro": TYRO + VALIDATE}
-# tyro's one switch for its error box: console_outputs=False prints nothing at all (still exit 2)
-QUIET = {"tyro, console_outputs=False": (TYRO + VALIDATE).replace('prog="train.py")', 'prog="train.py", console_outputs=False)')}
+# tyro's one switch for its error box: console_outputs=False, meant to silence it (the table shows what it does)
+QUIET = {"tyro, console_outputs=False":
+         (TYRO + VALIDATE).replace('prog="train.py")', 'prog="train.py", console_outputs=False)')}
 BAD = [["--steps", "1e3"], ["--group-size", "x"], ["--bogus", "3"], ["--shard", "diagonal"], ["--lr"],
        ["--resume", "yes"]]
 IMPORTS = {"argparse": "import argparse, ast, inspect, textwrap", "tyro": "import tyro"}
