@@ -1,4 +1,10 @@
-"""Shared test plumbing: examples/ on the path, and the browser tests need Chromium and Playwright.
+"""Shared test plumbing: examples/ on the path, hypothesis's fixed profile, and the browser tests
+need Chromium and Playwright.
+
+The property tests (hypothesis) run under the profile ``fixed``: derandomized (the examples are a
+function of the test alone, so every run, local or CI, draws the same ones in the same time), a
+fixed number of examples, no example database (nothing replayed from an earlier run) and no
+deadline (no test fails on timing). HYPOTHESIS_PROFILE=explore draws fresh random examples.
 
 Locally, tests marked `browser` skip with the reason when either is missing (or deselect them
 with `pytest -m "not browser"`). With CI=true (or 1) a missing browser fails them instead: a
@@ -11,11 +17,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # examples/tiny_models.py builds the tiny random Hugging Face models the tests train (offline)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from skipping import skip_or_fail  # tests/skipping.py
+
+settings.register_profile("fixed", derandomize=True, max_examples=100, database=None, deadline=None,
+                          print_blob=False)
+settings.register_profile("explore", max_examples=1000, database=None, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; Playwright's own download cannot work here
 

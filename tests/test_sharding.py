@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gradnorm.core.sharding import SHARD_KINDS, make_plan, tokens_per_rank, validate_plan
+from gradnorm.core.sharding import BUDGET_KINDS, SHARD_KINDS, budget_plan, make_plan, tokens_per_rank, validate_plan
 
 LENGTHS = torch.tensor([5, 1, 8, 2, 7, 3, 6, 4])
 
@@ -56,3 +56,10 @@ def test_errors_name_the_problem():
         validate_plan([[torch.tensor([0])], [torch.tensor([1]), torch.tensor([], dtype=torch.long)]], 2,
                       equal_microbatches=True)
     validate_plan([[torch.tensor([0])], [torch.tensor([1]), torch.tensor([], dtype=torch.long)]], 2)  # a budget's
+
+
+@pytest.mark.parametrize("kind", BUDGET_KINDS)
+def test_a_token_budget_over_more_ranks_than_sequences_leaves_ranks_empty(kind):
+    # tests/test_plan_properties.py found this: interleave raised when W exceeded S + 1.
+    plan = budget_plan(kind, torch.tensor([3]), 3, 20)
+    assert [[mb.tolist() for mb in rank] for rank in plan] == [[[0]], [], []]

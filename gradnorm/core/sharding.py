@@ -105,7 +105,7 @@ def rank_shares(kind: str, lengths: Tensor, world_size: int) -> list[Tensor]:
                          f"use one of {', '.join(BUDGET_KINDS)}")
     S = len(lengths)
     if kind == "interleave":
-        return [torch.arange(r, S, world_size) for r in range(world_size)]
+        return [torch.arange(S)[r::world_size] for r in range(world_size)]  # empty for r >= S (arange(r, S) raises)
     order = torch.sort(lengths, stable=True).indices if kind == "length" else torch.arange(S)
     base, extra = divmod(S, world_size)
     starts = [r * base + min(r, extra) for r in range(world_size + 1)]
