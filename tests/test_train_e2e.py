@@ -12,8 +12,8 @@ What must hold, on one tiny config (4 prompts x 4 completions, ragged response l
 - a run interrupted and resumed from its checkpoint logs exactly the metrics of one that was not;
 - every line has the phase times, which add up to the step, with the max over the 2 ranks.
 
-The (1,1) references run the script's ``main()`` in one plain Python process (no torchrun);
-every other run is its own torchrun launch, one after another (12 torchrun launches).
+The W = 1 references run the script's ``main()`` in one plain Python process (no torchrun);
+every other run is its own torchrun launch, one after another (11 torchrun launches).
 """
 
 import os
@@ -58,15 +58,18 @@ def runs(tmp_path_factory):
     Every launch samples with the default --rollouts sharded but one, keyed (mode, W, A, shard, "replicated").
     """
     base = tmp_path_factory.mktemp("train")
-    # (1,1): one plain Python process runs main() once per mode.
+    # W = 1: one plain Python process runs main() once per mode (A = 1), then token with A = 4.
     script = ("import sys; from gradnorm.train import main\n"
               "for mode in sys.argv[2:]:\n"
               f"    assert main({TINY!r} + ['--steps', '1', '--loss-denominator', mode, "
-              "'--output-dir', sys.argv[1] + '/' + mode]) == 0\n")
+              "'--output-dir', sys.argv[1] + '/' + mode]) == 0\n"
+              f"assert main({TINY!r} + ['--steps', '1', '--grad-accum-steps', '4', '--shard', 'contiguous', "
+              "'--output-dir', sys.argv[1] + '/token-1-4']) == 0\n")
     subprocess.run([sys.executable, "-c", script, str(base / "single"), *REFERENCE_MODES],
                    cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
     found = {(mode, 1, 1, "interleave"): metrics(base / "single" / mode)[0] for mode in REFERENCE_MODES}
-    launches = [("token", 1, 4, "contiguous"), ("token", 2, 1, "interleave"), ("token", 2, 1, "contiguous"),
+    found["token", 1, 4, "contiguous"] = metrics(base / "single" / "token-1-4")[0]
+    launches = [("token", 2, 1, "interleave"), ("token", 2, 1, "contiguous"),
                 ("token", 2, 2, "balanced"), ("sequence", 2, 2, "length"), ("group", 2, 2, "length"),
                 (CONSTANT, 2, 2, "length"), ("local", 2, 2, "length")]
     for mode, world_size, accum, shard in launches:
