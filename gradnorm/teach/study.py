@@ -1,0 +1,139 @@
+"""The controlled study's statistics and figures: what ``benchmarks/study.py`` computes per run and
+per cell, and what notebook 03 draws from its committed ``benchmarks/study.json``.
+
+Statistics (pure numpy, no training):
+
+- ``steps_to_threshold``: the first step whose trailing mean reward reaches a threshold, or None;
+- ``bootstrap_ci``: the mean over seeds and its percentile bootstrap interval (resampling seeds);
+- ``paired_difference``: the mean difference of two cells seed by seed (runs of the same seed share
+  the warm-up policy and their first rollout batch) and its bootstrap interval.
+
+Figures draw on a given matplotlib Axes: ``plot_reward_curves`` (mean over seeds of the trailing
+reward per step) and ``plot_bucket_rewards`` (the final policy's reward per target-length bucket,
+with intervals). Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gradnorm.trainer.curves import moving_average
+
+STUDY_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "study.json"
+"""Where ``make study`` writes its results (notebook 03 reads them)."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over seeds and its bootstrap interval [lo, hi]."""
+
+    mean: float
+    lo: float
+    hi: float
+
+    def excludes_zero(self) -> bool:
+        return self.lo > 0 or self.hi < 0
+
+    def __str__(self) -> str:
+        return f"{self.mean:+.3f} [{self.lo:+.3f}, {self.hi:+.3f}]"
+
+    def to_dict(self) -> dict:
+        return {"mean": self.mean, "lo": self.lo, "hi": self.hi}
+
+
+def steps_to_threshold(rewards: Sequence[float], threshold: float, window: int = 10) -> int | None:
+    """The first step (1-based) whose trailing ``window``-step mean reward is >= ``threshold``, or
+    None if no step reaches it (the run is censored at its last step).
+
+    The trailing mean starts over fewer steps (``moving_average``), so the first steps count with
+    the noise of a shorter window.
+    """
+    reached = np.flatnonzero(moving_average(np.asarray(rewards, dtype=float), window) >= threshold)
+    return int(reached[0]) + 1 if len(reached) else None
+
+
+def bootstrap_ci(values: Sequence[float], n_resamples: int = 2000, level: float = 0.95, seed: int = 0) -> Interval:
+    """The mean of ``values`` (one per seed) and its percentile bootstrap interval.
+
+    Each resample draws len(values) seeds with replacement and takes their mean; the interval is
+    the central ``level`` of those means. With 5 seeds it is a rough interval (a resample holds at
+    most 5 distinct values), honest about how little 5 seeds say, not a precise one.
+    """
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or len(x) == 0 or not np.isfinite(x).all():
+        raise ValueError(f"bootstrap_ci needs a non-empty 1-D array of finite values, got {x!r}")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(n_resamples, len(x)))].mean(axis=1)  # (n_resamples,)
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(means, [tail, 1 - tail])
+    return Interval(float(x.mean()), float(lo), float(hi))
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], **kwargs) -> Interval:
+    """a - b seed by seed (a[i] and b[i] come from the same seed), with its bootstrap interval."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError(f"paired values need the same seeds: {a.shape} vs {b.shape}")
+    return bootstrap_ci(a - b, **kwargs)
+
+
+# ------------------------------------------------------------------ reading and drawing the results
+
+
+def load_study(path: str | Path = STUDY_JSON) -> dict:
+    """The committed results of ``make study`` (benchmarks/study.json)."""
+    return json.loads(Path(path).read_text())
+
+
+def cell_runs(study: dict, task: str, mode: str, shard: str = "length", clip: bool = True) -> list[dict]:
+    """The runs (one per seed) of one cell of the study."""
+    for cell in study["cells"]:
+        if (cell["task"], cell["mode"], cell["shard"], cell["clip"]) == (task, mode, shard, clip):
+            return cell["runs"]
+    raise KeyError(f"no cell {task}, {mode}, {shard}, clip={clip} in the study")
+
+
+def plot_reward_curves(ax, study: dict, task: str, cells: Sequence[tuple[str, str, bool]], window: int = 10,
+                       styles: dict | None = None) -> None:
+    """Trailing-mean rollout reward per step, mean over seeds (line) and its seed range (band).
+
+    ``cells`` lists (mode, shard, clip) of ``task``; ``styles`` maps a mode to plot kwargs.
+    """
+    styles = styles or {}
+    for mode, shard, clip in cells:
+        runs = cell_runs(study, task, mode, shard, clip)
+        curves = np.array([moving_average(r["reward_curve"], window) for r in runs])  # (seeds, steps)
+        steps = np.arange(1, curves.shape[1] + 1)
+        label = f"{mode}, {shard}" + ("" if clip else ", no clipping")
+        line, = ax.plot(steps, curves.mean(0), label=label, **styles.get((mode, shard, clip), {}))
+        ax.fill_between(steps, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.12, lw=0)
+    if "threshold" in study:
+        ax.axhline(study["threshold"][task], color="0.5", lw=0.8, ls=(0, (1, 2)))
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(f"rollout reward ({window}-step trailing mean)")
+    ax.set_title(f"task {task}: mean of {len(runs)} seeds, band = seed range")
+
+
+def plot_bucket_rewards(ax, study: dict, task: str, cells: Sequence[tuple[str, str, bool]], styles: dict | None = None) -> None:
+    """The final policy's eval reward per target-length bucket: bars = mean over seeds, whiskers =
+    the bootstrap interval (``summary`` of each cell)."""
+    styles = styles or {}
+    buckets = study["buckets"][task]
+    width = 0.8 / len(cells)
+    for k, (mode, shard, clip) in enumerate(cells):
+        summary = next(c["summary"] for c in study["cells"]
+                       if (c["task"], c["mode"], c["shard"], c["clip"]) == (task, mode, shard, clip))
+        ivs = [summary[f"eval_reward_{b}"] for b in buckets]
+        x = np.arange(len(buckets)) + (k - (len(cells) - 1) / 2) * width
+        mean = np.array([iv["mean"] for iv in ivs])
+        err = np.array([[iv["mean"] - iv["lo"] for iv in ivs], [iv["hi"] - iv["mean"] for iv in ivs]])
+        label = f"{mode}, {shard}" + ("" if clip else ", no clipping")
+        ax.bar(x, mean, width, yerr=err, capsize=2, label=label, **styles.get((mode, shard, clip), {}))
+    ax.set_xticks(np.arange(len(buckets)), [f"n {b}" for b in buckets])
+    ax.set_ylabel("eval reward of the final policy")
+    ax.set_title(f"task {task}: reward by target length (95% bootstrap CI)")
