@@ -12,7 +12,7 @@ EXTRAS ?= notebooks,test,hf,report
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test figures example bench clean
+.PHONY: install demo test figures example bench study clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/rollouts.py --drift --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_trl.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/packing.py --out benchmarks
+
+# The controlled study of the denominators (about 45 min on 2 cores; not part of `make test`):
+# regenerates benchmarks/study.md, study.json and study.png (notebook 03 draws from study.json).
+study: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/study.py --out benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
