@@ -333,7 +333,7 @@ def write_markdown(study: dict, path: Path) -> None:
         "shared the machine: the rewards do not depend on load, only the wall time does).",
         "",
         f"Every run: `python gradnorm/train.py` with {m['steps']} GRPO steps of {m['prompts_per_step']} prompts x "
-        f"{m['group_size']} completions after the default 40-step supervised warm-up, one process with "
+        f"{m['group_size']} completions after a {warmup_steps(study)}-step supervised warm-up, one process with "
         "`--grad-accum-steps 4`, which gives every token the weight 2 ranks x 2 microbatches give it "
         "(checked exactly in every run, see benchmarks/study.py), seeds "
         f"{', '.join(map(str, m['seeds']))}. Flags of each cell are in study.json. The constant is "
@@ -383,29 +383,40 @@ def write_markdown(study: dict, path: Path) -> None:
         f"letter x every n in a..b, {EVAL_SAMPLES} samples each at temperature 1; length drift is the mean response "
         f"length of the last {WINDOW} steps minus the first {WINDOW}; clipped steps is the fraction of steps whose "
         "gradient norm before clipping exceeded 1.0 (in the no-clipping cells, what clipping would have cut); "
-        "skew max / min are the per-step largest and smallest token weight relative to the token mean, averaged "
-        "over steps (1.0 = no skew). With 5 seeds a bootstrap interval is rough: it says how far apart the seeds "
+        "skew max / min are the trainer's logged per-step largest and smallest ratio of the weight `local` gives a "
+        "token to the weight the run's own mode gives it (for `local` runs: to `token`'s), averaged over steps: how "
+        "much louder or quieter the per-microbatch mean would make a token (1.0 = no skew; under `balanced` "
+        "`local` is close to `token`). With 5 seeds a bootstrap interval is rough: it says how far apart the seeds "
         "are, not more.",
         "",
     ]
     path.write_text("\n".join(lines))
 
 
+def warmup_steps(study: dict) -> int:
+    """The --warmup-steps every run of the study used (read from the runs' flags)."""
+    values = {r["flags"][r["flags"].index("--warmup-steps") + 1] for c in study["cells"] for r in c["runs"]}
+    assert len(values) == 1, f"the runs used different warm-ups: {values}"
+    return int(values.pop())
+
+
 def write_figure(study: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from gradnorm.teach.study import plot_bucket_rewards, plot_reward_curves
+    from gradnorm.teach.study import plot_bucket_rewards, plot_effects, plot_reward_curves
 
-    fig, axes = plt.subplots(2, len(study["tasks"]), figsize=(6.5 * len(study["tasks"]), 8.5), squeeze=False)
-    for k, task in enumerate(study["tasks"]):
-        cells_here = [(c["mode"], c["shard"], c["clip"]) for c in study["cells"] if c["task"] == task and c["clip"]]
-        plot_reward_curves(axes[0, k], study, task, cells_here)
-        axes[0, k].legend(fontsize=7, loc="lower right")
-        plot_bucket_rewards(axes[1, k], study, task, [c for c in cells_here])
-        axes[1, k].legend(fontsize=7, loc="lower left")
+    tasks = study["tasks"]
+    fig, axes = plt.subplots(3, len(tasks), figsize=(6.5 * len(tasks), 13), squeeze=False)
+    for k, task in enumerate(tasks):
+        here = [(c["mode"], c["shard"], c["clip"]) for c in study["cells"] if c["task"] == task]
+        plot_reward_curves(axes[0, k], study, task, [c for c in here if c[2]])
+        axes[0, k].legend(fontsize=7, loc="upper left")
+        plot_bucket_rewards(axes[1, k], study, task, here)
+        axes[1, k].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
+        plot_effects(axes[2, k], study, task, f"eval_reward_{list(BUCKETS[task])[-1]}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -436,9 +447,16 @@ def main(argv=None) -> int:
     p.add_argument("--threshold-bimodal", type=float, default=0.40)
     p.add_argument("--threshold-repeat", type=float, default=0.40)
     p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite study.md and study.png from the study.json in --out (no runs)")
     p.add_argument("--pilot", action="store_true", help="local and token under length, one seed: timing and thresholds, nothing written")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.report_only:
+        study = json.loads((Path(args.out) / "study.json").read_text())
+        write_markdown(study, Path(args.out) / "study.md")
+        write_figure(study, Path(args.out) / "study.png")
+        return 0
     tasks = tuple(args.tasks.split(","))
     todo_cells = cells(tasks)
     seeds = list(range(args.seeds))

@@ -9,8 +9,9 @@ Statistics (pure numpy, no training):
   the warm-up policy and their first rollout batch) and its bootstrap interval.
 
 Figures draw on a given matplotlib Axes: ``plot_reward_curves`` (mean over seeds of the trailing
-reward per step) and ``plot_bucket_rewards`` (the final policy's reward per target-length bucket,
-with intervals). Nothing here starts a process.
+reward per step), ``plot_bucket_rewards`` (the final policy's reward per target-length bucket,
+with intervals) and ``plot_effects`` (each cell minus ``token``, paired by seed, with intervals).
+Colours are the palette's: a mode a colour, a sharding a line style. Nothing here starts a process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradnorm.teach.palette import MODE_COLORS, SHARD_STYLES
 from gradnorm.trainer.curves import moving_average
 
 STUDY_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "study.json"
@@ -98,42 +100,72 @@ def cell_runs(study: dict, task: str, mode: str, shard: str = "length", clip: bo
     raise KeyError(f"no cell {task}, {mode}, {shard}, clip={clip} in the study")
 
 
-def plot_reward_curves(ax, study: dict, task: str, cells: Sequence[tuple[str, str, bool]], window: int = 10,
-                       styles: dict | None = None) -> None:
-    """Trailing-mean rollout reward per step, mean over seeds (line) and its seed range (band).
+def cell_style(mode: str, shard: str, clip: bool) -> dict:
+    """The palette's colour of the mode; the sharding's line style; clipping off drawn thin."""
+    return {"color": MODE_COLORS[mode], "ls": SHARD_STYLES[shard]["ls"], "lw": 2.0 if clip else 1.0}
 
-    ``cells`` lists (mode, shard, clip) of ``task``; ``styles`` maps a mode to plot kwargs.
-    """
-    styles = styles or {}
+
+def cell_label(mode: str, shard: str, clip: bool) -> str:
+    return f"{mode}, {shard}" + ("" if clip else ", clipping off")
+
+
+def plot_reward_curves(ax, study: dict, task: str, cells: Sequence[tuple[str, str, bool]], window: int = 10) -> None:
+    """Trailing-mean rollout reward per step: mean over seeds (line) and the seeds' range (band),
+    for each (mode, shard, clip) of ``task``; the dotted grey line is the task's threshold."""
     for mode, shard, clip in cells:
         runs = cell_runs(study, task, mode, shard, clip)
         curves = np.array([moving_average(r["reward_curve"], window) for r in runs])  # (seeds, steps)
         steps = np.arange(1, curves.shape[1] + 1)
-        label = f"{mode}, {shard}" + ("" if clip else ", no clipping")
-        line, = ax.plot(steps, curves.mean(0), label=label, **styles.get((mode, shard, clip), {}))
-        ax.fill_between(steps, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.12, lw=0)
-    if "threshold" in study:
-        ax.axhline(study["threshold"][task], color="0.5", lw=0.8, ls=(0, (1, 2)))
+        style = cell_style(mode, shard, clip)
+        ax.plot(steps, curves.mean(0), label=cell_label(mode, shard, clip), **style)
+        ax.fill_between(steps, curves.min(0), curves.max(0), color=style["color"], alpha=0.08, lw=0)
+    ax.axhline(study["threshold"][task], color="0.5", lw=0.8, ls=":", label=f"threshold {study['threshold'][task]}")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(f"rollout reward ({window}-step trailing mean)")
-    ax.set_title(f"task {task}: mean of {len(runs)} seeds, band = seed range")
+    ax.set_title(f"{task}: mean of {len(runs)} seeds (band: their range)")
 
 
-def plot_bucket_rewards(ax, study: dict, task: str, cells: Sequence[tuple[str, str, bool]], styles: dict | None = None) -> None:
+def plot_bucket_rewards(ax, study: dict, task: str, cells: Sequence[tuple[str, str, bool]]) -> None:
     """The final policy's eval reward per target-length bucket: bars = mean over seeds, whiskers =
-    the bootstrap interval (``summary`` of each cell)."""
-    styles = styles or {}
+    the 95% bootstrap interval (the ``summary`` of each cell)."""
     buckets = study["buckets"][task]
     width = 0.8 / len(cells)
     for k, (mode, shard, clip) in enumerate(cells):
-        summary = next(c["summary"] for c in study["cells"]
-                       if (c["task"], c["mode"], c["shard"], c["clip"]) == (task, mode, shard, clip))
+        summary = cell_summary(study, task, mode, shard, clip)
         ivs = [summary[f"eval_reward_{b}"] for b in buckets]
         x = np.arange(len(buckets)) + (k - (len(cells) - 1) / 2) * width
         mean = np.array([iv["mean"] for iv in ivs])
         err = np.array([[iv["mean"] - iv["lo"] for iv in ivs], [iv["hi"] - iv["mean"] for iv in ivs]])
-        label = f"{mode}, {shard}" + ("" if clip else ", no clipping")
-        ax.bar(x, mean, width, yerr=err, capsize=2, label=label, **styles.get((mode, shard, clip), {}))
-    ax.set_xticks(np.arange(len(buckets)), [f"n {b}" for b in buckets])
+        style = cell_style(mode, shard, clip)
+        ax.bar(x, mean, width, yerr=err, capsize=2, label=cell_label(mode, shard, clip), color=style["color"],
+               alpha=1.0 if shard == "length" else 0.45, hatch=None if clip else "//")
+    ax.set_xticks(np.arange(len(buckets)), [f"n = {b}" for b in buckets])
     ax.set_ylabel("eval reward of the final policy")
-    ax.set_title(f"task {task}: reward by target length (95% bootstrap CI)")
+    ax.set_title(f"{task}: reward by target length n (95% bootstrap CI)")
+
+
+def plot_effects(ax, study: dict, task: str, key: str) -> list[tuple[str, Interval]]:
+    """Each cell minus ``token`` under ``length`` (same seeds, same clip setting) on ``key``
+    (e.g. ``eval_reward_13-16``): a dot at the mean difference, a bar over its 95% interval, and
+    the zero line. Returns the (cell, interval) pairs drawn, top to bottom."""
+    rows = [(c["cell"].split("/", 1)[1] + " - " + c["against"].split("/", 1)[1], Interval(**c[key]))
+            for c in study["comparisons"] if c["task"] == task]
+    for y, (name, iv) in enumerate(rows):
+        mode, shard, *rest = name.split(" - ")[0].split("/")
+        style = cell_style(mode, shard, not rest)
+        ax.plot([iv.lo, iv.hi], [y, y], color=style["color"], ls=style["ls"], lw=2)
+        ax.plot([iv.mean], [y], "o", color=style["color"])
+    ax.axvline(0.0, color="0.3", lw=0.8)
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"difference in {key.replace('_', ' ')} (paired by seed, 95% CI)")
+    ax.set_title(f"{task}: each cell minus token under length, seed by seed")
+    return rows
+
+
+def cell_summary(study: dict, task: str, mode: str, shard: str = "length", clip: bool = True) -> dict:
+    """The per-cell summary (mean and interval of every measure) of one cell."""
+    for cell in study["cells"]:
+        if (cell["task"], cell["mode"], cell["shard"], cell["clip"]) == (task, mode, shard, clip):
+            return cell["summary"]
+    raise KeyError(f"no cell {task}, {mode}, {shard}, clip={clip} in the study")
