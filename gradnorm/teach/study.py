@@ -41,6 +41,10 @@ class Interval:
     def excludes_zero(self) -> bool:
         return self.lo > 0 or self.hi < 0
 
+    def verdict(self, against: str = "token") -> str:
+        """What the interval of a difference (a cell minus ``against``) resolves."""
+        return f"lower than {against}" if self.hi < 0 else f"higher than {against}" if self.lo > 0 else "no difference resolved"
+
     def __str__(self) -> str:
         return f"{self.mean:+.3f} [{self.lo:+.3f}, {self.hi:+.3f}]"
 
@@ -141,7 +145,7 @@ def plot_bucket_rewards(ax, study: dict, task: str, cells: Sequence[tuple[str, s
                alpha=1.0 if shard == "length" else 0.45, hatch=None if clip else "//")
     ax.set_xticks(np.arange(len(buckets)), [f"n = {b}" for b in buckets])
     ax.set_ylabel("eval reward of the final policy")
-    ax.set_title(f"{task}: reward by target length n (95% bootstrap CI)")
+    ax.set_title(f"{task}: eval reward by n (95% CI)")
 
 
 def plot_effects(ax, study: dict, task: str, key: str) -> list[tuple[str, Interval]]:
@@ -159,8 +163,16 @@ def plot_effects(ax, study: dict, task: str, key: str) -> list[tuple[str, Interv
     ax.set_yticks(range(len(rows)), [name for name, _ in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"difference in {key.replace('_', ' ')} (paired by seed, 95% CI)")
-    ax.set_title(f"{task}: each cell minus token under length, seed by seed")
+    ax.set_title(f"{task}: minus token, paired by seed")
     return rows
+
+
+def comparison(study: dict, cell: str, key: str) -> Interval:
+    """The paired difference of ``cell`` (e.g. "bimodal/local/length") minus its reference on ``key``."""
+    for c in study["comparisons"]:
+        if c["cell"] == cell:
+            return Interval(**c[key])
+    raise KeyError(f"no comparison for {cell} in the study")
 
 
 def cell_summary(study: dict, task: str, mode: str, shard: str = "length", clip: bool = True) -> dict:
