@@ -52,7 +52,8 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_trl.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/packing.py --out benchmarks
 
-# The controlled study of the denominators (about 45 min on 2 cores; not part of `make test`):
+# The controlled study of the denominators (under an hour on 2 cores; study.md states the last run's wall
+# time and load; not part of `make test`):
 # regenerates benchmarks/study.md, study.json and study.png (notebook 03 draws from study.json).
 study: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/study.py --out benchmarks

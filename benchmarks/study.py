@@ -1,6 +1,6 @@
 """A controlled comparison of the loss denominators: does the fix change what GRPO learns?
 
-    make study                                   # the committed results (about 45 min on 2 cores)
+    make study                                   # the committed results (under an hour on 2 cores)
     python benchmarks/study.py --out benchmarks  # the same
     python benchmarks/study.py --pilot           # 2 cells x 1 seed, for sizing; writes nothing
 
@@ -427,8 +427,8 @@ def git_commit() -> str:
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return head + (" (with uncommitted changes)" if dirty else "")
+    dirty = git("diff", "HEAD", "--name-only").split()
+    return head + (f" (with uncommitted changes to {', '.join(dirty)})" if dirty else "")
 
 
 def main(argv=None) -> int:
