@@ -12,7 +12,7 @@ EXTRAS ?= notebooks,test,hf,report
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test figures example bench clean
+.PHONY: install demo test figures example bench study clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/phases.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/cli_parsers.py --rounds 10 --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/canvas_latency.py --presses 20 --out benchmarks
+
+# The controlled study of the denominators (under an hour on 2 cores; study.md states the last run's wall
+# time and load; not part of `make test`):
+# regenerates benchmarks/study.md, study.json and study.png (notebook 03 draws from study.json).
+study: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/study.py --out benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

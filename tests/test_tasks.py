@@ -128,3 +128,31 @@ def test_short_sft_warm_up_learns_the_task(task):
     trained = exact_match_rate(model, task, temperature=0.0)
     assert untrained < 0.05
     assert trained > 0.5, f"exact match after SFT {trained:.2f}"
+
+
+def test_bimodal_task_asks_only_its_counts_and_scores_like_repeat():
+    from gradnorm.tasks import BUILTIN_TASKS, builtin_task
+    from gradnorm.trainer.config import TrainConfig, _choices
+    bimodal = builtin_task("bimodal")
+    assert bimodal.counts == (1, 2, 3, 4, 13, 14, 15, 16)
+    prompts, answers = bimodal.sample_prompts(400, gen(0))
+    lengths = sorted({len(a) for a in answers})
+    assert lengths == list(bimodal.counts)  # every count drawn, no other
+    assert 0.4 < sum(len(a) <= 4 for a in answers) / 400 < 0.6  # half short, half long
+    for ids, answer in zip(prompts, answers):
+        text = bimodal.tokenizer.decode(ids)
+        assert answer == text[0] * int(text[1:3])
+    tokens, _ = bimodal.demonstrations(20, gen(1))  # the warm-up sees the same counts
+    P = bimodal.prompt_len
+    demo_answers = [bimodal.tokenizer.decode(t[1:2]) * int(bimodal.tokenizer.decode(t[2:4])) for t in tokens]
+    assert {len(a) for a in demo_answers} <= set(bimodal.counts)
+    torch.testing.assert_close(bimodal.reward(tokens[:, P:], demo_answers), torch.ones(20), rtol=0, atol=0)
+    assert builtin_task("repeat").counts == () and builtin_task("repeat").sample_prompts(50, gen(0))[1] == \
+        RepeatTask().sample_prompts(50, gen(0))[1]  # the default task draws as it always did
+    assert set(_choices()["task"]) == set(BUILTIN_TASKS)
+    with pytest.raises(ValueError):
+        builtin_task("nope")
+    with pytest.raises(ValueError):
+        RepeatTask(counts=(0, 3))
+    with pytest.raises(ValueError, match="--task bimodal"):
+        TrainConfig(task="bimodal", model="some/hf-model").validate()

@@ -1,6 +1,6 @@
 """What the policy is asked and how its answers are scored.
 
-- ``repeat``   the built-in task ("repeat a letter n times") and its character tokenizer
+- ``repeat``   the built-in tasks ("repeat a letter n times", and its bimodal variant) and their character tokenizer
 - ``prompts``  a JSONL prompt file for Hugging Face models, tokenized with the model's template
 - ``rewards``  reward functions: exact-match math, or any importable ``module:function``
 
@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gradnorm.tasks.repeat import CharTokenizer, RepeatTask
+from gradnorm.tasks.repeat import BUILTIN_TASKS, CharTokenizer, RepeatTask, builtin_task
 
 
 class TokenIdsLike(Protocol):
@@ -42,4 +42,4 @@ class Task(Protocol):
         ...
 
 
-__all__ = ["CharTokenizer", "RepeatTask", "Task"]
+__all__ = ["BUILTIN_TASKS", "CharTokenizer", "RepeatTask", "Task", "builtin_task"]

@@ -69,6 +69,8 @@ class RepeatTask:
     max_new_tokens: int = 20
     """Response budget of the sampler. Larger than n_max + 1 so that a too-long answer can still
     end with EOS, and a response that never stops gets truncated (and penalized)."""
+    counts: tuple[int, ...] = ()
+    """The repeat counts a prompt may ask for, drawn uniformly; () draws every n in n_min..n_max."""
 
     tokenizer: CharTokenizer = field(init=False, repr=False)
     """Derived: letters, digits and '='."""
@@ -80,6 +82,8 @@ class RepeatTask:
             raise ValueError(f"need 1 <= n_min <= n_max <= 99, got {self.n_min}, {self.n_max}")
         if self.max_new_tokens < self.n_max + 1:
             raise ValueError(f"max_new_tokens {self.max_new_tokens} cannot hold n_max letters + EOS")
+        if not all(self.n_min <= n <= self.n_max for n in self.counts):
+            raise ValueError(f"counts {self.counts} must lie in n_min..n_max = {self.n_min}..{self.n_max}")
         if not self.letters or not all(c.isalpha() for c in self.letters):
             raise ValueError(f"letters must be non-empty letters, got {self.letters!r}")
         self.tokenizer = CharTokenizer(self.letters + "0123456789=")
@@ -108,7 +112,10 @@ class RepeatTask:
         Deterministic given the generator state; draws on the CPU (pass a CPU generator).
         """
         letter_idx = torch.randint(len(self.letters), (num_prompts,), generator=generator).tolist()
-        counts = torch.randint(self.n_min, self.n_max + 1, (num_prompts,), generator=generator).tolist()
+        if self.counts:
+            counts = [self.counts[i] for i in torch.randint(len(self.counts), (num_prompts,), generator=generator).tolist()]
+        else:
+            counts = torch.randint(self.n_min, self.n_max + 1, (num_prompts,), generator=generator).tolist()
         letters = [self.letters[i] for i in letter_idx]
         prompts = torch.tensor([self.prompt_ids(c, n) for c, n in zip(letters, counts)], dtype=torch.long)
         return prompts, [c * n for c, n in zip(letters, counts)]
@@ -168,3 +175,25 @@ class RepeatTask:
             tokens[i, P : P + len(response)] = torch.tensor(response)
             loss_mask[i, P : P + len(response)] = True
         return tokens, loss_mask
+
+
+BIMODAL_COUNTS = (1, 2, 3, 4, 13, 14, 15, 16)
+"""The repeat counts of the ``bimodal`` task: half the prompts short (1-4 letters), half long (13-16)."""
+
+BUILTIN_TASKS = ("repeat", "bimodal")
+"""The built-in tasks --task names (``builtin_task``)."""
+
+
+def builtin_task(name: str, max_new_tokens: int = 20) -> RepeatTask:
+    """The built-in task ``name``: ``repeat`` (n uniform in 1..16) or ``bimodal``.
+
+    ``bimodal`` asks for 1-4 or 13-16 letters, half and half: its hard, rewarded cases need long
+    responses, and the short ones are cheap. Sorting ranks by length (--shard length) then puts
+    the long responses in the microbatches with the most tokens, where a per-microbatch mean
+    (``local``) gives each of their tokens a fraction of the weight of a short response's token.
+    """
+    if name == "repeat":
+        return RepeatTask(max_new_tokens=max_new_tokens)
+    if name == "bimodal":
+        return RepeatTask(max_new_tokens=max_new_tokens, counts=BIMODAL_COUNTS)
+    raise ValueError(f"unknown built-in task {name!r}: expected one of {', '.join(BUILTIN_TASKS)}")

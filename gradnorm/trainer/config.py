@@ -208,6 +208,10 @@ class TrainConfig:
     """Prompts sampled to report the reward before and after the warm-up."""
 
     # ---- model
+    task: Literal["repeat", "bimodal"] = "repeat"
+    """The built-in task (tiny model only): repeat asks for a letter n times, n uniform in 1..16;
+    bimodal asks for 1-4 or 13-16 letters, half and half, so its hard cases need long responses
+    (benchmarks/study.py compares the denominators on both)."""
     model: str = "tiny"
     """tiny: the built-in TinyGPT on the repeat-a-letter task (sized by the three flags below).
     Anything else is a Hugging Face causal LM, a Hub name or a local directory (pip install -e
@@ -356,6 +360,9 @@ class TrainConfig:
             raise ValueError(f"--n-head {self.n_head} must divide --n-embd {self.n_embd}")
         if self.builtin and self.max_new_tokens < 17:
             raise ValueError(f"--max-new-tokens must be >= 17 (16 letters + EOS), got {self.max_new_tokens}")
+        if not self.builtin and self.task != "repeat":
+            raise ValueError(f"--task {self.task} is a built-in task of the tiny model; a Hugging Face --model "
+                             "trains on --prompts")
         if self.builtin and self.gradient_checkpointing:
             raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
         if self.resume and self.overwrite:

@@ -46,7 +46,7 @@ from gradnorm.dist import comm, wrap
 from gradnorm.models import hf
 from gradnorm.models import tinygpt
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT, token_logprobs_and_entropy
-from gradnorm.tasks import RepeatTask, Task
+from gradnorm.tasks import RepeatTask, Task, builtin_task
 from gradnorm.tasks.prompts import PromptTask
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer import guards
@@ -135,7 +135,7 @@ def build_policy(cfg: TrainConfig, device: torch.device, world_size: int = 1,
     sequence of a packed row (``check_packs``, once the model is loaded).
     """
     if cfg.builtin:
-        task = RepeatTask(max_new_tokens=cfg.max_new_tokens)
+        task = builtin_task(cfg.task, cfg.max_new_tokens)
         torch.manual_seed(cfg.seed)
         model = TinyGPT(GPTConfig(task.vocab_size, task.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd))
         return task, TinyGPTPolicy(model.to(device))
