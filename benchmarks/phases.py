@@ -1,6 +1,6 @@
 """Where a step's time goes, per rank, at W = 1 and W = 2: a cost that grows with W shows as a ratio.
 
-    python benchmarks/phases.py              # about 3 minutes on 2 cores (make bench runs it)
+    python benchmarks/phases.py              # about 4 minutes on 2 cores (make bench runs it)
     python benchmarks/phases.py --quick      # a smoke-sized run
     python benchmarks/phases.py --out DIR    # where phases.md and phases.json go
 
@@ -20,6 +20,11 @@ and the ratio of W = 2 to W = 1. A phase whose work is split over the ranks shou
 
 Launches alternate between the configurations, round by round in rotated order, so that a noisy
 neighbour slows them alike; the medians over rounds are reported with the load.
+
+Then the scoring A/B, paired in one run: on spawned gloo ranks, the default model and one rollout
+batch of the reuse + KL configuration (64 prompts x 8), each rank times ``step.score`` of the
+sampling policy and of the reference, for its share (``step.shares``, what the trainer does) and
+for the whole batch (what it did before), alternating, 20 rounds; at W = 1 the share is the whole.
 """
 
 from __future__ import annotations
@@ -83,6 +88,48 @@ def measure(steps: int, rounds: int) -> dict:
             for name in CONFIGS}
 
 
+def scoring_worker(ctx, rounds: int) -> dict:
+    """On each rank: seconds to score the old and the reference log-probs, share against whole batch."""
+    import copy
+
+    from gradnorm.trainer import step as steps
+    from gradnorm.trainer.config import parse_config
+    from gradnorm.trainer.policy import build_policy
+    from gradnorm.trainer.rollout import generate_rollout
+
+    cfg = parse_config([*CONFIGS["reuse + KL"], "--device", "cpu"], ctx.world_size)
+    task, policy = build_policy(cfg, ctx.device)
+    ref = copy.deepcopy(policy.model).eval()
+    share = dict(rank=ctx.rank, world_size=ctx.world_size) if ctx.world_size > 1 else {}
+    with torch.no_grad():
+        rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
+                                   group_size=cfg.group_size, seed=0, step=1, temperature=1.0, **share)
+    shares = steps.shares(rollout, cfg, ctx.world_size)
+    variants = {"share": shares, "whole": None}
+    times = {name: [] for name in variants}
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for name in (list(variants) if r % 2 else list(variants)[::-1]):
+                t0 = time.perf_counter()
+                for module in (policy.model, ref):
+                    steps.score(policy, module, rollout, variants[name], ctx.rank)
+                if r:  # round 0 warms up
+                    times[name].append(time.perf_counter() - t0)
+    return {"times": times, "rows": {"share": len(shares[ctx.rank]), "whole": len(rollout.rewards)}}
+
+
+def scoring_ab(rounds: int) -> dict:
+    """{W: {variant: {median_s per rank (slowest rank's median), rows}}} for W = 1 and 2."""
+    from gradnorm.dist.spawn import spawn_gloo
+
+    found = {}
+    for world_size in (1, 2):
+        ranks = spawn_gloo(scoring_worker, world_size, rounds)
+        found[world_size] = {name: {"median_s": max(statistics.median(r["times"][name]) for r in ranks),
+                                    "rows": max(r["rows"][name] for r in ranks)} for name in ("share", "whole")}
+    return found
+
+
 def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
     lines = [
         "# Phase times per rank at W = 1 and W = 2",
@@ -108,11 +155,22 @@ def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
             lines.append(f"| {name} | {label} | {one:.4f} | {two['rank0']:.4f} | {two['max']:.4f} | {ratio:.2f}x |")
     score = found["reuse + KL"]
     ratio = score[2]["scoring"]["max"] / score[1]["scoring"]["max"]
+    ab = args.ab
+    one = ab[1]["whole"]["median_s"]
     lines += [
         "",
-        f"Scoring with reuse and KL (the sampling policy's and the reference's log-probs, once per rollout): "
-        f"the slowest rank at W = 2 takes {ratio:.2f}x of what one rank takes at W = 1 (each rank scores only the "
-        "rows it trains on, `gradnorm.trainer.step.shares`; a rank that scored the whole batch would take about 1x).",
+        f"In the trainer, scoring with reuse and KL (the sampling policy's and the reference's log-probs, once per "
+        f"rollout) takes the slowest rank {ratio:.2f}x at W = 2 of what one rank takes at W = 1.",
+        "",
+        f"## Scoring A/B: a rank's share against the whole batch ({args.ab_rounds} alternating rounds, one run)",
+        "",
+        "| W | scored rows | per rank, slowest (ms) | ratio to W=1 |",
+        "|---|---|---|---|",
+        f"| 1 | the whole batch ({ab[1]['whole']['rows']}) | {1e3 * one:.1f} | 1.00x |",
+        f"| 2 | the whole batch on every rank ({ab[2]['whole']['rows']}, before) | {1e3 * ab[2]['whole']['median_s']:.1f} "
+        f"| {ab[2]['whole']['median_s'] / one:.2f}x |",
+        f"| 2 | its share (`step.shares`, {ab[2]['share']['rows']}, now) | {1e3 * ab[2]['share']['median_s']:.1f} "
+        f"| {ab[2]['share']['median_s'] / one:.2f}x |",
         "",
     ]
     return "\n".join(lines)
@@ -129,10 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if args.quick else 3)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     found = measure(args.steps, args.rounds)
+    args.ab_rounds = 4 if args.quick else 20
+    args.ab = scoring_ab(args.ab_rounds)
     seconds, load1 = time.perf_counter() - t0, os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "phases.json").write_text(json.dumps({"steps": args.steps, "rounds": args.rounds, "load": [load0, load1],
-                                                      "seconds": seconds, "found": found}, indent=1) + "\n")
+                                                      "seconds": seconds, "found": found, "scoring_ab": args.ab},
+                                                     indent=1) + "\n")
     text = render(found, args, (load0, load1), seconds)
     (args.out / "phases.md").write_text(text)
     print(text)
