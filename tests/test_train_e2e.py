@@ -13,7 +13,7 @@ What must hold, on one tiny config (4 prompts x 4 completions, ragged response l
 - every line has the phase times, which add up to the step, with the max over the 2 ranks.
 
 The W = 1 references run the script's ``main()`` in one plain Python process (no torchrun);
-every other run is its own torchrun launch, one after another (11 torchrun launches).
+every other run is its own torchrun launch (11 of them), two at a time (``launch_all``).
 """
 
 import os
@@ -51,6 +51,24 @@ def torchrun(nproc: int, out: Path, *flags: str) -> None:
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
 
 
+def launch_all(jobs: list[list[str]], at_once: int = 2) -> None:
+    """Run the commands ``jobs``, ``at_once`` at a time, each to success.
+
+    A short torchrun launch spends much of its wall time with a core idle (the agent starting, the
+    rendezvous, the workers' imports finishing at different times), so two launches side by side
+    take well under twice one. Each writes its own output directory; no result depends on timing.
+    """
+    pending, running = list(jobs), []
+    while pending or running:
+        while pending and len(running) < at_once:
+            cmd = pending.pop(0)
+            running.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True)))
+        cmd, proc = running.pop(0)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{out}\n{err}"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{(mode, W, A, shard): step-1 metrics} for every launch, plus the resume test's directories.
@@ -65,28 +83,26 @@ def runs(tmp_path_factory):
               "'--output-dir', sys.argv[1] + '/' + mode]) == 0\n"
               f"assert main({TINY!r} + ['--steps', '1', '--grad-accum-steps', '4', '--shard', 'contiguous', "
               "'--output-dir', sys.argv[1] + '/token-1-4']) == 0\n")
-    subprocess.run([sys.executable, "-c", script, str(base / "single"), *REFERENCE_MODES],
-                   cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
-    found = {(mode, 1, 1, "interleave"): metrics(base / "single" / mode)[0] for mode in REFERENCE_MODES}
-    found["token", 1, 4, "contiguous"] = metrics(base / "single" / "token-1-4")[0]
-    launches = [("token", 2, 1, "interleave"), ("token", 2, 1, "contiguous"),
-                ("token", 2, 2, "balanced"), ("sequence", 2, 2, "length"), ("group", 2, 2, "length"),
-                (CONSTANT, 2, 2, "length"), ("local", 2, 2, "length")]
-    for mode, world_size, accum, shard in launches:
-        out = base / f"{mode}-{world_size}-{accum}-{shard}"
-        torchrun(world_size, out, "--steps", "1", "--loss-denominator", mode,
-                 "--grad-accum-steps", str(accum), "--shard", shard)
-        found[mode, world_size, accum, shard] = metrics(out)[0]
-    torchrun(2, base / "replicated", "--steps", "1", "--grad-accum-steps", "2", "--shard", "balanced",
-             "--rollouts", "replicated")
-    found["token", 2, 2, "balanced", "replicated"] = metrics(base / "replicated")[0]
+    jobs = [[sys.executable, "-c", script, str(base / "single"), *REFERENCE_MODES]]
+    launches = {(mode, 2, accum, shard): ["--loss-denominator", mode, "--grad-accum-steps", str(accum), "--shard", shard]
+                for mode, accum, shard in [("token", 1, "interleave"), ("token", 1, "contiguous"), ("token", 2, "balanced"),
+                                           ("sequence", 2, "length"), ("group", 2, "length"), (CONSTANT, 2, "length"),
+                                           ("local", 2, "length")]}
+    launches["token", 2, 2, "balanced", "replicated"] = ["--grad-accum-steps", "2", "--shard", "balanced",
+                                                         "--rollouts", "replicated"]
     # local under a token budget: ranks sorted by length hold different numbers of microbatches.
-    torchrun(2, base / "local-budget", "--steps", "1", "--loss-denominator", "local", *PACKED[1:])
-    found["local", 2, "budget", "length"] = metrics(base / "local-budget")[0]
+    launches["local", 2, "budget", "length"] = ["--loss-denominator", "local", *PACKED[1:]]
+    out = {key: base / "-".join(map(str, key)) for key in launches}
+    jobs += [torchrun_command(2, *TINY, "--output-dir", str(out[key]), "--steps", "1", *flags)
+             for key, flags in launches.items()]
     # token, 2 ranks sorted by length, packed rows in microbatches of at most BUDGET tokens: 4
     # uninterrupted steps, which also serve the resume test.
     full = base / "full"
-    torchrun(2, full, "--steps", "4", "--save-every", "2", *PACKED)
+    jobs.append(torchrun_command(2, *TINY, "--output-dir", str(full), "--steps", "4", "--save-every", "2", *PACKED))
+    launch_all(jobs)
+    found = {(mode, 1, 1, "interleave"): metrics(base / "single" / mode)[0] for mode in REFERENCE_MODES}
+    found["token", 1, 4, "contiguous"] = metrics(base / "single" / "token-1-4")[0]
+    found.update({key: metrics(path)[0] for key, path in out.items()})
     found["token", 2, "budget", "length", "pack"] = metrics(full)[0]
     return found, base
 
