@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job: GRPO on 2 CPU ranks over gloo (under a minute on 2 cores), output in runs/grpo/.
+# The main job: GRPO on 2 CPU ranks over gloo (about a minute on 2 cores), output in runs/grpo/.
 # --device cpu keeps it the gloo job on a GPU machine too; --overwrite replaces the previous demo
 # (the trainer refuses a directory holding a run without it); DEMO_FLAGS takes any other flag.
 DEMO_FLAGS ?=

@@ -2,7 +2,7 @@
 
 Run it from the repository root (after ``make install`` or ``pip install -e .``):
 
-    # the main job: 2 CPU ranks over gloo, under a minute on 2 cores
+    # the main job: 2 CPU ranks over gloo, about a minute on 2 cores
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 gradnorm/train.py
     # one process, no torchrun (the same run, to fp32 rounding)
     python gradnorm/train.py
