@@ -20,15 +20,13 @@ def fake_run(tmp_path, name, denominator, shard, digests, grad_norms, tokens_per
     return runs.load_run(out)
 
 
-def test_load_run_series_and_shared_rollouts(tmp_path):
+def test_load_run_reads_its_config_and_series(tmp_path):
     a = fake_run(tmp_path, "a", "local", "length", ["x", "y", "z"], [1.0, 2.0, 3.0], [[1, 3], [2, 2], [0, 4]])
     b = fake_run(tmp_path, "b", "token", "balanced", ["x", "y", "w"], [1.0, 1.0, 1.0], [[2, 2]] * 3)
     assert a.label == "local, length" and b.loss_denominator == "token" and b.shard == "balanced"
     assert_allclose(a.steps, [1, 2, 3])
     assert_allclose(a.series("grad_norm"), [1.0, 2.0, 3.0])
-    assert_allclose(a.rank_token_share(0), [0.25, 0.5, 0.0])
-    assert runs.shared_rollout_steps(a, b) == 2
-    assert runs.shared_rollout_steps(a, a) == 3
+    assert a.config["max_grad_norm"] == 1.5
 
 
 def test_moving_average_is_trailing():
@@ -40,21 +38,3 @@ def test_read_metrics_reads_one_row_per_line_and_skips_blank_lines(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n\n{"step": 2}\n')
     assert runs.read_metrics(path) == [{"step": 1}, {"step": 2}]
-
-
-def test_clipped_steps_count_norms_above_the_run_s_threshold(tmp_path):
-    run = fake_run(tmp_path, "a", "local", "length", ["x"] * 4, [1.0, 1.5, 1.6, 3.0], [[1, 1]] * 4)
-    assert runs.clipped_steps(run) == 2  # 1.5 is the flag: at the threshold clipping changes nothing
-    assert runs.clipped_steps(run, max_grad_norm=0.5) == 4
-
-
-def test_seed_spread_is_the_trailing_average_at_a_step(tmp_path):
-    made = []
-    for seed, rewards in enumerate([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]):
-        run = fake_run(tmp_path, f"s{seed}", "token", "length", ["x"] * 4, [1.0] * 4, [[1, 1]] * 4)
-        for row, r in zip(run.metrics, rewards):
-            row["reward_mean"] = r
-        made.append(run)
-    spread = runs.seed_spread(made, "reward_mean", step=3, window=2)
-    assert_allclose(spread.values, [1.0, 0.5])  # steps 2-3 of each run
-    assert (spread.mean, spread.low, spread.high) == (0.75, 0.5, 1.0)

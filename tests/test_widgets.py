@@ -16,7 +16,6 @@ pytest.importorskip("matplotlib")
 
 from gradnorm.teach import widgets  # noqa: E402
 from gradnorm.teach.imbalance import batch_rank_shares, imbalanced_minibatch, token_layout  # noqa: E402
-from gradnorm.teach.runs import load_run  # noqa: E402
 from gradnorm.teach.widgets import bar_heights  # noqa: E402
 
 
@@ -201,29 +200,6 @@ def test_length_bias_explorer():
     assert "<b>1.00x</b>" in explorer.readout.value
     explorer.controls["scale_by_std"].value = False
     assert explorer.artists["view"].advantage_correct == pytest.approx(0.5)  # 1 - mean reward 0.5
-
-
-def test_training_curves_draw_the_trailing_average(tmp_path):
-    import json
-
-    import matplotlib.figure
-
-    from gradnorm.teach import plotting
-
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps({"loss_denominator": "local", "shard": "length"}))
-    rows = [{"step": k, "reward_mean": r, "response_len_mean": 5.0, "grad_norm": 1.0, "tokens": 4,
-             "tokens_per_rank": [1, 3]} for k, r in enumerate([0.0, 1.0, 0.0, 1.0], start=1)]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = load_run(out)
-    fig = matplotlib.figure.Figure()
-    axes = fig.subplots(1, 4)
-    lines = plotting.plot_training_runs(axes[:3], [run], window=2)
-    assert_allclose(lines["local, length"][0].get_ydata(), [0.0, 0.5, 0.5, 0.5])
-    share = plotting.plot_rank_token_share(axes[3], [run], world_size=2, window=1)
-    assert_allclose(share["local, length"].get_ydata(), 0.25)
-    assert_allclose(share["local"].get_ydata(), 0.5)
 
 
 def test_axis_limits_sit_on_a_ladder_of_round_numbers():

@@ -1,7 +1,7 @@
-"""Drawing share sweeps, gradient sweeps and training runs on matplotlib Axes the caller owns.
+"""Drawing share sweeps and gradient sweeps on matplotlib Axes the caller owns.
 
-Notebooks 01, 02, 03 and 05: the data of ``gradnorm.teach.imbalance``, ``gradnorm.teach.sweeps`` and
-``gradnorm.teach.runs``. The explorers' pictures (01, 02, 04), built once and updated in place, are in
+Notebooks 01, 02 and 05: the data of ``gradnorm.teach.imbalance`` and ``gradnorm.teach.sweeps``
+(notebook 03 draws the controlled study with ``gradnorm.teach.study``). The explorers' pictures (01, 02, 04), built once and updated in place, are in
 ``gradnorm.teach.views``; the length-bias views of notebook 04 in ``gradnorm.teach.lengthplots``. Colours,
 markers and line styles come from ``gradnorm.teach.palette`` (re-exported here), the one palette.
 
@@ -22,7 +22,6 @@ from gradnorm.teach.imbalance import ShareSweep
 from gradnorm.teach.palette import (  # noqa: F401  (re-exported: the palette's names, where drawing code looks)
     MODE_COLORS, MODE_MARKERS, RANK_COLORS, SHARD_STYLES, TOKENS_COLOR, mode_label, mode_style, rank_color,
 )
-from gradnorm.teach.runs import TrainingRun, moving_average
 from gradnorm.teach.sweeps import GradientSweep
 from gradnorm.teach.views import LOG_FLOOR, X_LABEL, nice_ceiling, on_log_axis
 
@@ -112,55 +111,4 @@ def plot_sharding_comparison(
     ax.set_ylabel("|g - g_full| / |g_full|")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize="small", title="sharding", title_fontsize="small")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. Training runs
-# ---------------------------------------------------------------------------------------------
-
-TRAINING_PANELS = {"reward_mean": "mean reward", "response_len_mean": "mean response length (tokens)",
-                   "grad_norm": "gradient norm (before clipping)"}
-
-
-def plot_training_runs(
-    axes: Sequence[Axes], runs: Sequence[TrainingRun], keys: Sequence[str] = tuple(TRAINING_PANELS),
-    window: int = 10,
-) -> dict[str, list[Line2D]]:
-    """One panel per logged metric: each run's raw values (thin) and trailing average (thick).
-
-    Colour is the denominator, line style the sharding. Returns {run label: [average line per panel]}.
-    """
-    out = {}
-    for run in runs:
-        color = MODE_COLORS.get(run.loss_denominator, TOKENS_COLOR)
-        style = SHARD_STYLES.get(run.shard, {"ls": "-"})["ls"]
-        out[run.label] = []
-        for ax, key in zip(axes, keys):
-            ax.plot(run.steps, run.series(key), color=color, ls=style, lw=0.7, alpha=0.3)
-            out[run.label].append(ax.plot(run.steps, moving_average(run.series(key), window), color=color,
-                                          ls=style, lw=2, label=run.label)[0])
-    for ax, key in zip(axes, keys):
-        ax.set_title(TRAINING_PANELS.get(key, key), fontsize="medium")
-        ax.set_xlabel("optimizer step")
-    axes[0].legend(fontsize="small")
-    return out
-
-
-def plot_rank_token_share(ax: Axes, runs: Sequence[TrainingRun], world_size: int, window: int = 10) -> dict:
-    """Rank 0's share of each step's tokens, next to the 1/W share of the update ``local`` gives it."""
-    out = {}
-    for run in runs:
-        share = run.rank_token_share(0)
-        style = SHARD_STYLES.get(run.shard, {"ls": "-"})["ls"]
-        out[run.label] = ax.plot(run.steps, moving_average(share, window), ls=style, color=TOKENS_COLOR, lw=2,
-                                 label=f"rank 0's share of the tokens, measured ({run.shard})")[0]
-    # Not measured: the trainer logs tokens per rank, not each rank's gradient. It is local's formula,
-    # 1/(W*A) per microbatch with tokens, exact when every microbatch has one (tests/test_equivalence.py).
-    out["local"] = ax.axhline(1 / world_size, color=MODE_COLORS["local"], lw=1.5, ls=":", zorder=1,
-                              label="1/W: rank 0's share of the update under local (formula)")
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("optimizer step")
-    ax.set_title("rank 0: tokens held vs update received", fontsize="medium")
-    ax.legend(fontsize="small")
     return out
