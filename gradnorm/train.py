@@ -131,6 +131,8 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     # What the training forward goes through: DDP around the model, or the model itself (FSDP2
     # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
     dp_model = wrap_for_training(policy, cfg.parallel, ctx)
+    if not cfg.builtin:
+        comm.print0(f"sampling: {policy.decoding(task.block_size)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if ckpt_path is not None:  # weights, AdamW state, reference and RNGs, resharded to this W and --parallel
         checkpoints.load_checkpoint(ckpt_path, model, opt, ref, ctx)

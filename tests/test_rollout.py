@@ -107,6 +107,41 @@ def test_control_the_old_batch_level_generator_ties_a_sequence_to_its_place_in_t
     assert torch.equal(old(slice(0, 12)), batch)  # while the batch itself is reproducible
 
 
+class CountPrefill(TinyGPT):
+    """TinyGPT that records the rows of its prefill call (the first call on an empty cache)."""
+
+    prefill_rows: list[int] = []
+
+    def forward(self, idx, kv_cache=None, **kwargs):
+        if kv_cache is not None and kv_cache.pos == 0:
+            self.prefill_rows.append(idx.shape[0])
+        return super().forward(idx, kv_cache, **kwargs)
+
+
+def test_a_groups_shared_prompt_is_prefilled_once_and_changes_no_token(monkeypatch):
+    from gradnorm.models import sampling, tinygpt
+
+    model = make_model()
+    model.__class__ = CountPrefill
+    G = 4
+    prompts = torch.randint(3, V, (5, P), generator=torch.Generator().manual_seed(0)).repeat_interleave(G, dim=0)
+    uniforms = sequence_uniforms(range(20), R, 0, "sample", 3)
+    CountPrefill.prefill_rows = []
+    grouped = sample_rows(model, prompts, uniforms)
+    assert CountPrefill.prefill_rows == [5]  # 5 distinct prompts for 20 rows
+    alone = torch.cat([sample_rows(model, prompts[i : i + 1], uniforms[i : i + 1]) for i in range(20)])
+    assert torch.equal(grouped, alone)  # each row as if its prompt had been prefilled for it alone
+    assert torch.equal(grouped, generate(model, prompts, R, EOS, PAD, uniforms=uniforms, use_cache=False)[:, P:])
+    # Control: copying the wrong prefill to a row (each group's neighbour's) changes the tokens.
+    first, copies = sampling.distinct_prompts(prompts)
+    monkeypatch.setattr(tinygpt, "distinct_prompts", lambda p: (first, copies.roll(G)))
+    assert not torch.equal(sample_rows(model, prompts, uniforms), grouped)
+    monkeypatch.undo()
+    distinct = torch.randint(3, V, (6, P), generator=torch.Generator().manual_seed(1))
+    kept, none = sampling.distinct_prompts(distinct)
+    assert kept is distinct and none is None  # all distinct: the batch goes through as it is
+
+
 def decode_batch_sizes(B: int, running: list[int]) -> list[int]:
     """Longhand: the batch of each forward (the prefill first) when running[t] rows are left after draw t."""
     sizes = [B]

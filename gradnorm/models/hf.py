@@ -35,7 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from gradnorm.core.errors import first_line
-from gradnorm.models.sampling import decode
+from gradnorm.models.llama_decode import LlamaDecoder, unsupported
+from gradnorm.models.sampling import decode, distinct_prompts
 from gradnorm.models.tinygpt import token_logprobs_and_entropy
 
 _MISSING = "Hugging Face models need transformers: pip install -e '.[hf]'"
@@ -177,6 +178,7 @@ def generate(
     uniforms: Tensor | None = None,
     reduce=None,
     drop_finished: bool = True,
+    fast: bool = True,
 ) -> Tensor:
     """Sample up to ``max_new_tokens`` after each left-padded prompt; returns (B, P + max_new_tokens).
 
@@ -188,18 +190,45 @@ def generate(
     its ``batch_select_indices``, the attention mask and positions follow) unless
     ``drop_finished=False`` or the cache cannot select rows. ``use_cache=False`` recomputes the
     full prefix at every step, for tests of the cache.
+
+    The prompts' prefill is the model's own call, on each distinct prompt once (a group's G
+    completions share one; ``sampling.distinct_prompts``). The decoding steps after it are too, unless the
+    model is a Llama-family one that ``gradnorm.models.llama_decode`` can step directly (``fast``,
+    the default): the same operations on the same parameters, bit for bit, without transformers'
+    per-call overhead, which dominates the step of a small model.
     """
     B, P = prompts.shape
     attention, positions = padding_positions(prompts, P, pad_id)  # (B, P) each
     cache_kw = _cache_kwarg(model)
-    step = model(input_ids=prompts, attention_mask=attention, position_ids=positions, use_cache=use_cache)
-    cache = _cache_of(step, cache_kw)
+    # The prefill: a group's shared prompt once (``distinct_prompts``), its cache and logits then
+    # copied to each completion; without a cache, every row (the steps recompute the prefix anyway).
+    first, copies = distinct_prompts(prompts) if use_cache else (prompts, None)
+    first_attention, first_positions = padding_positions(first, P, pad_id)
+    step = model(input_ids=first, attention_mask=first_attention, position_ids=first_positions, use_cache=use_cache)
+    cache, logits = _cache_of(step, cache_kw), step.logits[:, -1]  # logits (B_distinct, V)
+    direct = None
+    if use_cache and fast and unsupported(model, P + max_new_tokens) is None:
+        direct = LlamaDecoder(model, cache, attention, P + max_new_tokens, copies)
+        cache = None  # the decoder holds a copy; the model's own cache can go
+    elif copies is not None and hasattr(cache, "batch_select_indices"):
+        cache.batch_select_indices(copies)
+    elif copies is not None:  # a cache that cannot copy rows: prefill every row after all
+        step = model(input_ids=prompts, attention_mask=attention, position_ids=positions, use_cache=True)
+        cache, logits, copies = _cache_of(step, cache_kw), step.logits[:, -1], None
+    if copies is not None:
+        logits = logits[copies]  # (B, V)
     # A cache that cannot drop rows (not a transformers Cache, or an old one) keeps them all.
-    drop_finished = drop_finished and (not use_cache or hasattr(cache, "batch_select_indices"))
+    drop_finished = drop_finished and (direct is not None or not use_cache or hasattr(cache, "batch_select_indices"))
     rows = torch.arange(B, device=prompts.device)  # (B_t,): the rows of out in the decode batch
 
     def advance(token: Tensor, t: int, out: Tensor, keep: Tensor | None) -> Tensor:
         nonlocal attention, positions, cache, rows
+        if direct is not None:  # the same step as the model's, without transformers' machinery
+            if keep is not None:
+                positions = positions[keep]
+                direct.keep(keep)
+            positions = positions[:, -1:] + 1
+            return direct.step(token, positions[:, 0])
         if keep is not None:  # rows have finished: every per-row tensor shrinks to keep
             rows, attention, positions = rows[keep], attention[keep], positions[keep]
             if use_cache:
@@ -214,7 +243,7 @@ def generate(
         cache = _cache_of(step, cache_kw)
         return step.logits[:, -1]  # only the new position
 
-    return decode(prompts, step.logits[:, -1], advance, max_new_tokens, eos_id, pad_id, temperature, generator,
+    return decode(prompts, logits, advance, max_new_tokens, eos_id, pad_id, temperature, generator,
                   uniforms, reduce, drop_finished)
 
 

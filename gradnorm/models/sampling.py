@@ -40,6 +40,21 @@ class NonFiniteLogitsError(ValueError):
     """The policy produced NaN or +inf logits while sampling: its weights have diverged."""
 
 
+def distinct_prompts(prompts: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(first, copies): the distinct rows of ``prompts`` (B, P), and which of them each row is.
+
+    ``first[copies] == prompts``. A group's G completions share one prompt, so a policy can run the
+    prompts' prefill on ``first`` alone (a G-th of the work) and copy its per-row state (the KV
+    cache, the last logits) to each row with ``copies``. A row's prefill does not depend on the
+    other rows of its batch, so this changes no token (the tests check it bit for bit).
+    ``copies`` is None when every row is distinct (``first`` is then ``prompts`` itself, in order).
+    """
+    first, copies = torch.unique(prompts, dim=0, return_inverse=True)
+    if len(first) == len(prompts):
+        return prompts, None
+    return first, copies
+
+
 def sample_next(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
     """One token per row from logits (B, V) and one uniform per row u (B,); temperature 0 is greedy."""
     if temperature == 0.0:

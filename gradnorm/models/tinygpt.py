@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradnorm.core.grpo import entropy_from_logprobs
-from gradnorm.models.sampling import decode
+from gradnorm.models.sampling import decode, distinct_prompts
 
 
 @dataclass
@@ -71,6 +71,7 @@ class KVCache:
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the sequences ``rows`` (B',), in that order: the decode batch without its finished rows.
+        A row may be named several times (a group's shared prompt, prefilled once, copied to each completion).
 
         One copy of the storage, (n_layer, B', H, max_len, D), each time rows leave the batch.
         """
@@ -247,7 +248,7 @@ def generate(
     total = P + max_new_tokens
     if total > model.config.block_size:
         raise ValueError(f"P + max_new_tokens = {total} exceeds block_size {model.config.block_size}")
-    cache = model.new_kv_cache(B) if use_cache else None
+    cache = None
     rows = torch.arange(B, device=prompts.device)  # (B_t,): the rows of out in the decode batch
 
     def advance(token: torch.Tensor, t: int, out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -260,7 +261,15 @@ def generate(
             return model(token[:, None], kv_cache=cache)[:, -1]  # only the new position
         return model(out[rows, : P + t + 1])[:, -1]  # the whole prefix again
 
-    prefill = model(prompts, kv_cache=cache)[:, -1]  # (B, V)
+    if use_cache:  # a group's shared prompt is prefilled once, then its cache and logits are copied
+        first, copies = distinct_prompts(prompts)
+        cache = model.new_kv_cache(len(first))
+        prefill = model(first, kv_cache=cache)[:, -1]  # (B_distinct, V)
+        if copies is not None:
+            cache.keep(copies)
+            prefill = prefill[copies]  # (B, V)
+    else:
+        prefill = model(prompts)[:, -1]  # (B, V)
     return decode(prompts, prefill, advance, max_new_tokens, eos_id, pad_id, temperature, generator, uniforms, reduce,
                   drop_finished)
 

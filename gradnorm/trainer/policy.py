@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from gradnorm.dist import comm, wrap
-from gradnorm.models import hf
+from gradnorm.models import hf, llama_decode
 from gradnorm.models import tinygpt
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT, token_logprobs_and_entropy
 from gradnorm.tasks import RepeatTask, Task, builtin_task
@@ -121,6 +121,11 @@ class HFPolicy:
     @property
     def pad_id(self):
         return self.model.config.pad_token_id
+
+    def decoding(self, total_len: int) -> str:
+        """How sampling steps this model (after the prompts' prefill), in words for the run's log."""
+        why_not = llama_decode.unsupported(self.model, total_len)
+        return "direct steps (gradnorm.models.llama_decode)" if why_not is None else f"the model's forward ({why_not})"
 
 
 def build_policy(cfg: TrainConfig, device: torch.device, world_size: int = 1,
