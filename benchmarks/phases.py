@@ -1,6 +1,6 @@
 """Where a step's time goes, per rank, at W = 1 and W = 2: a cost that grows with W shows as a ratio.
 
-    python benchmarks/phases.py              # about 4 minutes on 2 cores (make bench runs it)
+    python benchmarks/phases.py              # about 5 minutes on 2 cores (make bench runs it)
     python benchmarks/phases.py --quick      # a smoke-sized run
     python benchmarks/phases.py --out DIR    # where phases.md and phases.json go
 
@@ -17,6 +17,11 @@ Every step logs its phase times (``gradnorm.trainer.run.PhaseTimer``): rank 0's 
 over the steps after the first rollout, divided by their number), for rank 0 and the slowest rank,
 and the ratio of W = 2 to W = 1. A phase whose work is split over the ranks should come out near
 0.5 (on 2 cores, where each rank has a core); one that every rank does in full stays near 1.
+
+A third column is the control for the machine itself: two W = 1 launches at once, each in its own
+process group, sharing the cores as two ranks do but with no collective between them. A phase's
+W = 2 time over that twin's time is what splitting the work saved, with the cost of sharing the
+machine taken out.
 
 Launches alternate between the configurations, round by round in rotated order, so that a noisy
 neighbour slows them alike; the medians over rounds are reported with the load.
@@ -53,13 +58,13 @@ CONFIGS = {"default": [], "reuse + KL": ["--beta", "0.04", "--minibatches-per-ro
 SHOWN = ("rollout", "scoring", "forward_backward", "optimizer")  # the phases with work in them
 
 
-def launch(world_size: int, flags: list[str], steps: int, out: Path) -> dict[str, dict[str, float]]:
-    """One torchrun launch of the trainer; {phase: {"rank0": s/step, "max": s/step}} after the first rollout."""
-    cmd = torchrun_command(world_size, *flags, "--steps", str(steps), "--warmup-steps", "0", "--eval-prompts", "8",
-                           "--save-every", "0", "--no-plot", "--device", "cpu", "--output-dir", str(out))
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+def _command(world_size: int, flags: list[str], steps: int, out: Path) -> list[str]:
+    return torchrun_command(world_size, *flags, "--steps", str(steps), "--warmup-steps", "0", "--eval-prompts", "8",
+                            "--save-every", "0", "--no-plot", "--device", "cpu", "--output-dir", str(out))
+
+
+def _phases(out: Path) -> dict[str, dict[str, float]]:
+    """{phase: {"rank0": s/step, "max": s/step}} of a finished run, after its first rollout."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = rows[2:]  # the first rollout (2 steps under reuse) warms caches and allocators up
     found = {}
@@ -72,19 +77,41 @@ def launch(world_size: int, flags: list[str], steps: int, out: Path) -> dict[str
     return found
 
 
+def launch(world_size: int, flags: list[str], steps: int, out: Path, twins: int = 1) -> dict[str, dict[str, float]]:
+    """``twins`` torchrun launches of the trainer at once (each in its own directory); the mean of their phases.
+
+    Two W = 1 twins side by side are the control for W = 2: one rank each, sharing the machine as
+    two ranks do, with no collective between them.
+    """
+    outs = [out.with_name(f"{out.name}-{i}") for i in range(twins)]
+    procs = [subprocess.Popen(_command(world_size, flags, steps, o), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for o in outs]
+    for proc in procs:
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(proc.args)} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    runs = [_phases(o) for o in outs]
+    return {phase: {k: statistics.mean(run[phase][k] for run in runs) for k in ("rank0", "max")} for phase in runs[0]}
+
+
+CELLS = {1: (1, 1), "twin": (1, 2), 2: (2, 1)}
+"""Column -> (world size, launches at once): one rank alone, one rank beside a twin, two ranks."""
+
+
 def measure(steps: int, rounds: int) -> dict:
-    """{config: {W: {phase: {rank0, max}}}}: medians over ``rounds`` rotated rounds of launches."""
-    cells = [(name, w) for name in CONFIGS for w in (1, 2)]
+    """{config: {column: {phase: {rank0, max}}}}: medians over ``rounds`` rotated rounds of launches."""
+    cells = [(name, col) for name in CONFIGS for col in CELLS]
     runs = {cell: [] for cell in cells}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            for name, w in cells[r % len(cells):] + cells[: r % len(cells)]:
-                out = Path(tmp) / f"{r}-{w}-{name.replace(' ', '')}"
-                runs[name, w].append(launch(w, CONFIGS[name], steps, out))
-                print(f"round {r + 1}/{rounds}: {name}, W={w} done", file=sys.stderr, flush=True)
-    return {name: {w: {phase: {k: statistics.median(run[phase][k] for run in runs[name, w]) for k in ("rank0", "max")}
-                       for phase in runs[name, w][0]}
-                   for w in (1, 2)}
+            for name, col in cells[r % len(cells):] + cells[: r % len(cells)]:
+                out = Path(tmp) / f"{r}-{col}-{name.replace(' ', '').replace('+', '')}"
+                w, twins = CELLS[col]
+                runs[name, col].append(launch(w, CONFIGS[name], steps, out, twins))
+                print(f"round {r + 1}/{rounds}: {name}, {col} done", file=sys.stderr, flush=True)
+    return {name: {col: {phase: {k: statistics.median(run[phase][k] for run in runs[name, col]) for k in ("rank0", "max")}
+                         for phase in runs[name, col][0]}
+                   for col in CELLS}
             for name in CONFIGS}
 
 
@@ -142,25 +169,34 @@ def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
         f"medians of {args.rounds} launches per cell; seconds per optimizer step after the first rollout. "
         "`rank 0` is its own time; `slowest` the slowest rank's, for the phases whose work can differ between ranks.",
         "",
-        "| configuration | phase | W=1 (s/step) | W=2 rank 0 | W=2 slowest | W=2 / W=1 (slowest) |",
-        "|---|---|---|---|---|---|",
+        "| configuration | phase | W=1 (s/step) | W=1 beside a twin | W=2 rank 0 | W=2 slowest "
+        "| W=2 / W=1 (slowest) | W=2 / twin |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, by_w in found.items():
         for phase in (*SHOWN, "step"):
-            one, two = by_w[1][phase]["max"], by_w[2][phase]
+            one, twin, two = by_w[1][phase]["max"], by_w["twin"][phase]["max"], by_w[2][phase]
             if one < 1e-5 and two["max"] < 1e-5:
                 continue  # nothing happens in this phase here (scoring without reuse or KL)
             ratio = two["max"] / one if one > 0 else float("nan")
+            shared = two["max"] / twin if twin > 0 else float("nan")
             label = "whole step (median)" if phase == "step" else phase
-            lines.append(f"| {name} | {label} | {one:.4f} | {two['rank0']:.4f} | {two['max']:.4f} | {ratio:.2f}x |")
+            lines.append(f"| {name} | {label} | {one:.4f} | {twin:.4f} | {two['rank0']:.4f} | {two['max']:.4f} "
+                         f"| {ratio:.2f}x | {shared:.2f}x |")
     score = found["reuse + KL"]
     ratio = score[2]["scoring"]["max"] / score[1]["scoring"]["max"]
+    control = score[2]["scoring"]["max"] / score["twin"]["scoring"]["max"]
+    neighbour = score["twin"]["scoring"]["max"] / score[1]["scoring"]["max"]
     ab = args.ab
     one = ab[1]["whole"]["median_s"]
     lines += [
         "",
         f"In the trainer, scoring with reuse and KL (the sampling policy's and the reference's log-probs, once per "
-        f"rollout) takes the slowest rank {ratio:.2f}x at W = 2 of what one rank takes at W = 1.",
+        f"rollout) takes the slowest rank {ratio:.2f}x at W = 2 of what one rank takes at W = 1. "
+        f"The control, two W = 1 runs at once (`W=1 beside a twin`: each alone in its process group, sharing "
+        f"the 2 cores as two ranks do), says what sharing the machine costs by itself: one rank's scoring "
+        f"takes {neighbour:.2f}x as long beside a twin as alone. Against it, W = 2 takes {control:.2f}x: the "
+        f"share's work, half the rows, less its fixed costs.",
         "",
         f"## Scoring A/B: a rank's share against the whole batch ({args.ab_rounds} alternating rounds, one run)",
         "",

@@ -16,11 +16,14 @@ neighbour hits both sides alike. The first ``--skip`` steps of each launch are w
 counted. Reported per optimizer step: wall time, rollout time (sampling, reward, advantages) and
 response tokens per second of the global batch; and each ratio TRL / gradnorm.
 
-Known differences of the work done, which the results state too: TRL samples with
-``model.generate`` and each rank samples only its own share of the batch; gradnorm (before
-sharded rollouts) samples the whole global batch on every rank with its own seeded loop, so its
-rollout does not shrink with W. TRL gathers its logged metrics across ranks every step;
-gradnorm all-reduces one vector of sums (and one of phase times).
+Known differences of the work done, which the results state too. Both sides sample only each
+rank's share of the batch. TRL samples with ``model.generate``, every decoding step through the
+model's forward, and prefills each prompt once per completion. gradnorm samples with its own seeded
+loop: each distinct prompt is prefilled once (``sampling.distinct_prompts``), finished rows leave
+the decode batch, and the Qwen2's decoding steps run directly on its parameters
+(``gradnorm.models.llama_decode``, the model's logits bit for bit); ``benchmarks/decode_ab.md``
+times each of those alone. TRL gathers its logged metrics across ranks every step; gradnorm
+all-reduces one vector of sums (and one of phase times).
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ def race(rounds: int, steps: int, skip: int) -> dict:
                 order = ["trl", "gradnorm"] if (r + w) % 2 else ["gradnorm", "trl"]
                 for side in order:
                     print(f"round {r + 1}/{rounds}, W={w}: {side}", flush=True)
-                    found[w][side] += runners[side](model_dir, w, steps, work)[skip:]
+                    found[w][side] += [{**rec, "round": r} for rec in runners[side](model_dir, w, steps, work)[skip:]]
     return found
 
 
@@ -169,7 +172,11 @@ def summarize(found: dict) -> dict:
                       "tokens": statistics.median(r["tokens"] for r in rows), "n": len(rows)}
                for side, rows in sides.items()}
         ratio = {k: med["trl"][k] / med["gradnorm"][k] for k in ("step_s", "rollout_s", "tokens_per_s")}
-        table[w] = {**med, "trl_over_gradnorm": ratio}
+        # gradnorm's step over TRL's, round by round (the two sides of a round ran back to back)
+        rounds = sorted({r["round"] for r in sides["trl"]})
+        per_round = [statistics.median(r["step_s"] for r in sides["gradnorm"] if r["round"] == k)
+                     / statistics.median(r["step_s"] for r in sides["trl"] if r["round"] == k) for k in rounds]
+        table[w] = {**med, "trl_over_gradnorm": ratio, "gradnorm_over_trl_step_by_round": per_round}
     return table
 
 
@@ -190,10 +197,13 @@ def render(table: dict, meta: dict) -> str:
             m = row[side]
             lines.append(f"| {w} | {side} | {m['step_s']:.3f} | {m['rollout_s']:.3f} | {m['tokens_per_s']:.0f} |"
                          f" {m['tokens']:.0f} | {m['n']} |")
-    lines += ["", "| W | TRL / gradnorm: step time | rollout time | tokens / s |", "|---|---|---|---|"]
+    lines += ["", "| W | gradnorm's step / TRL's | the same, round by round | TRL / gradnorm: step time | rollout time "
+              "| tokens / s |", "|---|---|---|---|---|---|"]
     for w, row in table.items():
         r = row["trl_over_gradnorm"]
-        lines.append(f"| {w} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['tokens_per_s']:.2f} |")
+        by_round = ", ".join(f"{x:.2f}" for x in row.get("gradnorm_over_trl_step_by_round", []))
+        lines.append(f"| {w} | {1 / r['step_s']:.2f} | {by_round} | {r['step_s']:.2f} | {r['rollout_s']:.2f} "
+                     f"| {r['tokens_per_s']:.2f} |")
     lines += ["", "Rollout: TRL's `_generate_and_score_completions` (prompt tokenization, `model.generate`, decoding,"
               " reward, advantages, gathers); gradnorm's `time_rollout_s` (its seeded sampling loop, reward,"
               " advantages, the all_gather of the sharded batch). Both sample only each rank's share of the"
