@@ -1,7 +1,7 @@
 """A race against TRL: GRPOTrainer and gradnorm on the same tiny Qwen2, the same prompts, the same batch.
 
     pip install -e '.[hf,bench]'              # TRL, pinned (trl==1.16.0); never a library dependency
-    python benchmarks/vs_trl.py               # 3 rounds (make bench runs this); writes benchmarks/vs_trl.md
+    python benchmarks/vs_trl.py               # 5 rounds, about 12 minutes (make bench runs this); writes benchmarks/vs_trl.md
     python benchmarks/vs_trl.py --quick       # 1 round of fewer steps: a smoke test
 
 Both sides train ``examples/tiny_models.py``'s ``build_tiny_qwen2`` (a random 2-layer, width-32 Qwen2 with a
@@ -218,7 +218,7 @@ def render(table: dict, meta: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 round of 4 steps: a smoke test")
-    parser.add_argument("--rounds", type=int, help="rounds of the four launches (default 3; quick 1)")
+    parser.add_argument("--rounds", type=int, help="rounds of the four launches (default 5: the rounds scatter; quick 1)")
     parser.add_argument("--steps", type=int, help="optimizer steps per launch (default 12; quick 4)")
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each launch")
     parser.add_argument("--out", default="benchmarks", help="folder for vs_trl.md and vs_trl.json")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trl_worker:
         trl_worker(args.trl_worker, args.steps, args.records)
         return 0
-    meta = {"quick": args.quick, "rounds": args.rounds or (1 if args.quick else 3),
+    meta = {"quick": args.quick, "rounds": args.rounds or (1 if args.quick else 5),
             "steps": args.steps or (4 if args.quick else 12), "skip": args.skip, "load": os.getloadavg()[0]}
     table = summarize(race(meta["rounds"], meta["steps"], meta["skip"]))
     out = Path(args.out)

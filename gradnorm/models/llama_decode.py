@@ -3,9 +3,9 @@
 Sampling calls the model once per new token. For a small model (or a small batch on a fast
 accelerator) the arithmetic of such a call is tiny and the time goes to what transformers does
 around it: output dataclasses, decorators, a fresh attention mask, a cache object's bookkeeping.
-On the 2-layer, width-32 Qwen2 the benchmarks train, that machinery is most of a 4 ms call
-(``benchmarks/decode_ab.py --hf``). ``LlamaDecoder`` runs the same step as a straight line of
-tensor operations over the model's own parameters:
+``LlamaDecoder`` runs the same step as a straight line of tensor operations over the model's own
+parameters (``benchmarks/decode_ab.md`` times it against the model's forward on the tiny Qwen2
+the benchmarks train):
 
     x = embed(token)                                           (B, 1, C)
     for each block:
@@ -117,9 +117,10 @@ class LlamaDecoder:
 
     ``model`` is the ``...ForCausalLM``; ``hf_cache`` the cache its prefill call returned for the
     prompts; ``attention`` (B, P) the prompts' padding mask (1 = a real token); ``total_len``
-    the most positions a row will reach (P + max_new_tokens); ``rows`` (B,) the prefill row of each
-    sequence, when the prefill ran on distinct prompts only (``sampling.distinct_prompts``). The parameters are read, not copied:
-    the decoder is valid for the generation it was made for, while the weights do not change.
+    the most positions a row will reach (P + max_new_tokens); ``rows`` (B,) the prefill row of
+    each sequence, when the prefill ran on distinct prompts only (``sampling.distinct_prompts``).
+    The parameters are read, not copied: the decoder is valid for the generation it was made for,
+    while the weights do not change.
     """
 
     def __init__(self, model: nn.Module, hf_cache: Any, attention: Tensor, total_len: int, rows: Tensor | None = None):
