@@ -57,9 +57,18 @@ class CountRows(tinygpt.TinyGPT):
         return super().forward(idx, kv_cache, **kwargs)
 
 
-def every_row(prompts):
-    """``sampling.distinct_prompts`` switched off: every row is prefilled (A of the prefill A/B)."""
-    return prompts, None
+def prefilling_every_row(policy_module, sample: Callable) -> Callable:
+    """``sample`` with ``distinct_prompts`` switched off in ``policy_module`` (``tinygpt`` or ``hf``):
+    every row is prefilled, as before (A of the prefill A/B)."""
+
+    def run(prompts, uniforms):
+        policy_module.distinct_prompts = lambda p: (p, None)
+        try:
+            return sample(prompts, uniforms)
+        finally:
+            policy_module.distinct_prompts = sampling.distinct_prompts
+
+    return run
 
 
 def paired(rounds: int, batch: Callable[[int], tuple], a: Callable, b: Callable) -> dict:
@@ -100,14 +109,7 @@ def tinygpt_rows(flags: list[str], rounds: int) -> list[dict]:
         rows[drop] = model.rows
     drop = paired(rounds, batch, lambda p, u: sample(p, u, drop=False), sample)
 
-    def prefill_every_row(prompts, uniforms):
-        tinygpt.distinct_prompts = every_row
-        try:
-            return sample(prompts, uniforms)
-        finally:
-            tinygpt.distinct_prompts = sampling.distinct_prompts
-
-    prefill = paired(rounds, batch, prefill_every_row, sample)
+    prefill = paired(rounds, batch, prefilling_every_row(tinygpt, sample), sample)
     S = cfg.prompts_per_step * G
     shape = f"{cfg.prompts_per_step} x {G}, {R} new"
     return [{"change": "drop finished", "policy": flags_name(flags), "batch": shape, **drop,
@@ -144,17 +146,10 @@ def qwen2_rows(rounds: int) -> list[dict]:
     def sample(prompts, uniforms, fast=True):
         return hf.generate(model, prompts, MAX_NEW, eos, pad, uniforms=uniforms, fast=fast)
 
-    def prefill_every_row(prompts, uniforms):
-        hf.distinct_prompts = every_row
-        try:
-            return sample(prompts, uniforms)
-        finally:
-            hf.distinct_prompts = sampling.distinct_prompts
-
     shape = f"{PROMPTS_PER_STEP} x {GROUP}, {MAX_NEW} new"
     name = f"tiny Qwen2 (prompts of {task.prompt_len} tokens)"
     return [{"change": "prefill once per prompt", "policy": name, "batch": shape,
-             **paired(rounds, batch, prefill_every_row, sample),
+             **paired(rounds, batch, prefilling_every_row(hf, sample), sample),
              "note": f"prefill rows {PROMPTS_PER_STEP} of {PROMPTS_PER_STEP * GROUP}"},
             {"change": "direct steps", "policy": name, "batch": shape,
              **paired(rounds, batch, lambda p, u: sample(p, u, fast=False), sample), "note": "llama_decode"}]
