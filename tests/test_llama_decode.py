@@ -12,7 +12,8 @@ only allowed because the two give the same logits, bit for bit; what must hold:
 - a group's shared prompt is prefilled once and copied to its rows, on both paths, sampling the
   tokens each row gets alone (control: the wrong group's copy changes them);
 - ``unsupported`` turns away what the decoder would get wrong (other classes, eager attention, a
-  dynamic rotary, hooks, adapter-wrapped projections), and sampling then goes through the model.
+  dynamic rotary, hooks, adapter-wrapped projections, tensor-subclass parameters such as FSDP2's
+  shards), and sampling then goes through the model.
 """
 
 import pytest
@@ -167,6 +168,16 @@ def test_unsupported_says_why_and_sampling_falls_back_to_the_model(policy, monke
     assert torch.equal(generate(model, prompts, R, ids.eos_id, ids.pad_id, uniforms=uniforms), reference)
     monkeypatch.undo()
     monkeypatch.setattr(hf, "LlamaDecoder", lambda *a: called.append(a))
+
+    class Marked(torch.Tensor):  # what FSDP2's DTensor shards and quantized weights are: a tensor subclass
+        pass
+
+    original = model.model.norm.weight
+    model.model.norm.weight = nn.Parameter(original.detach().as_subclass(Marked))  # as fully_shard swaps them
+    try:
+        assert "tensor subclasses" in unsupported(model, 50)
+    finally:
+        model.model.norm.weight = original
 
     rope = dict(model.config.rope_parameters)
     monkeypatch.setattr(model.config, "rope_parameters", {**rope, "rope_type": "dynamic"})

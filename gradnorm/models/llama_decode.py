@@ -47,10 +47,9 @@ LongRoPE and YaRN's attention scaling are left to the model)."""
 
 def unsupported(model: nn.Module, total_len: int) -> str | None:
     """Why ``LlamaDecoder`` cannot stand in for ``model`` on sequences of ``total_len`` tokens; None if it can."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2's forward gathers them: a collective
-        return "its parameters are sharded (FSDP2)"
+    # FSDP2's DTensor shards (whose forward is a collective) and quantized weights are tensor subclasses.
+    if any(type(p.data) is not torch.Tensor for p in model.parameters()):
+        return "its parameters are tensor subclasses (FSDP2 shards, quantized weights)"
     name = type(model).__name__
     if name not in SUPPORTED:
         return f"{name} is not one of {', '.join(SUPPORTED)}"
