@@ -200,19 +200,22 @@ def generate(
     B, P = prompts.shape
     attention, positions = padding_positions(prompts, P, pad_id)  # (B, P) each
     cache_kw = _cache_kwarg(model)
+    direct_steps = use_cache and fast and unsupported(model, P + max_new_tokens) is None
     # The prefill: a group's shared prompt once (``distinct_prompts``), its cache and logits then
-    # copied to each completion; without a cache, every row (the steps recompute the prefix anyway).
-    first, copies = distinct_prompts(prompts) if use_cache else (prompts, None)
+    # copied to each completion, where the cache can copy rows; else every row (one call either
+    # way, decided before it: under FSDP2 every rank must make the same calls).
+    shared = use_cache and (direct_steps or hasattr(require_transformers().Cache, "batch_select_indices"))
+    first, copies = distinct_prompts(prompts) if shared else (prompts, None)
     first_attention, first_positions = padding_positions(first, P, pad_id)
     step = model(input_ids=first, attention_mask=first_attention, position_ids=first_positions, use_cache=use_cache)
     cache, logits = _cache_of(step, cache_kw), step.logits[:, -1]  # logits (B_distinct, V)
     direct = None
-    if use_cache and fast and unsupported(model, P + max_new_tokens) is None:
+    if direct_steps:
         direct = LlamaDecoder(model, cache, attention, P + max_new_tokens, copies)
         cache = None  # the decoder holds a copy; the model's own cache can go
     elif copies is not None and hasattr(cache, "batch_select_indices"):
         cache.batch_select_indices(copies)
-    elif copies is not None:  # a cache that cannot copy rows: prefill every row after all
+    elif copies is not None:  # not a transformers Cache (a legacy tuple): prefill every row after all
         step = model(input_ids=prompts, attention_mask=attention, position_ids=positions, use_cache=True)
         cache, logits, copies = _cache_of(step, cache_kw), step.logits[:, -1], None
     if copies is not None:
