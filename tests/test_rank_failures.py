@@ -11,6 +11,7 @@ Faults are injected by a wrapper script, not by a hook in the trainer.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,29 @@ def launches(tmp_path_factory):
     return {fault: (proc, *proc.communicate(timeout=300)) for fault, proc in procs.items()}
 
 
+COVERAGE_AT_EXIT = re.compile(
+    r"^Exception ignored in atexit callback: <bound method Coverage\._atexit[^\n]*\n"
+    r"(?:(?:Traceback \(most recent call last\):|[ \t][^\n]*|During handling[^\n]*|The above exception[^\n]*|)\n)*"
+    r"[^\n]*\n", re.M)
+"""The test suite's own noise, not the trainer's: coverage (``[tool.coverage.run]``, which traces every
+worker) saves a worker's data inside its ``os._exit``; when torchrun's SIGTERM to the survivors lands
+during that save, coverage's SIGTERM handler saves again and prints this traceback. Without coverage
+the worker has already left."""
+
+
+def without_coverage_noise(stderr: str) -> str:
+    return COVERAGE_AT_EXIT.sub("", stderr)
+
+
+def test_the_coverage_filter_removes_coverage_s_traceback_and_nothing_else():
+    noise = ("Exception ignored in atexit callback: <bound method Coverage._atexit of <Coverage @0x1>>\n"
+             "Traceback (most recent call last):\n  File \"x.py\", line 1, in save\n    self.save()\n"
+             "coverage.exceptions.DataError: Couldn't use data file 'd': no such table: context\n")
+    ours = "error: step 3: rank 1 died\nTraceback (most recent call last):\n  File \"y\"\nValueError: boom\n"
+    assert without_coverage_noise(ours + noise + "done\n") == ours + "done\n"
+    assert without_coverage_noise(ours) == ours  # control: a traceback of anyone else stays
+
+
 def workers_lines(stderr: str) -> list[str]:
     """stderr without torchrun's own report (its lines and its ChildFailedError traceback)."""
     lines = stderr.splitlines()
@@ -90,6 +114,7 @@ def workers_lines(stderr: str) -> list[str]:
 ])
 def test_a_failure_on_rank_1_is_rank_0s_one_line_and_no_rank_prints_a_traceback(fault, says, launches):
     proc, out, err = launches[fault]
+    err = without_coverage_noise(err)
     assert proc.returncode != 0, err
     mine = workers_lines(err)
     errors = [line for line in mine if line.startswith("error: ")]
