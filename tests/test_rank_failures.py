@@ -69,6 +69,8 @@ def launches(tmp_path_factory):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         cmd = torchrun_command(2, *TINY, "--output-dir", str(base / fault), script=base / "faulty.py")
+        if fault == "die":  # torchrun looks at its workers every 5 s, not 0.1 s: rank 0 finds the death first
+            cmd.insert(cmd.index("--standalone"), "--monitor-interval=5")  # (else its SIGTERM races rank 0's line)
         procs[fault] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True)
     return {fault: (proc, *proc.communicate(timeout=300)) for fault, proc in procs.items()}
