@@ -1,4 +1,4 @@
-"""Paired A/Bs of sampling: what each of issue 27's changes to the decoding loop saves, and that none changes a token.
+"""Paired A/Bs of sampling: what each change to the decoding loop saves, and that none changes a token.
 
     python benchmarks/decode_ab.py                    # about 2 minutes on 2 cores (make bench runs it)
     python benchmarks/decode_ab.py --rounds 4 --out /tmp/ab   # a smoke-sized run

@@ -4,7 +4,7 @@ What must hold for the trainer to treat an HF model like TinyGPT:
 - the tiny model and tokenizer round-trip through ``--model <dir>`` (save_pretrained / from_pretrained);
 - sampling with the KV cache gives the tokens of sampling without it, and a seeded generator
   gives bit-identical rollouts (what makes rollouts independent of the world size);
-- dropping finished rows from the decode batch (issue 27: the cache, attention mask and positions
+- dropping finished rows from the decode batch (the cache, attention mask and positions
   cut to the running rows) samples exactly the tokens of the loop that keeps every row, on a batch
   whose rows stop at ragged steps, while the forward passes really run on fewer rows;
 - left padding changes nothing: a padded row's log-probs equal those of the row alone;

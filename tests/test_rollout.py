@@ -6,7 +6,7 @@ What must hold:
 - sequence i samples the same tokens alone, inside larger batches and in any order, given its own
   row of uniforms (TinyGPT, one thread); the control: the old batch-level generator, whose noise
   depends on the row's place in the batch, fails that same check; greedy decoding uses no noise;
-- dropping finished rows from the decode batch (issue 27) changes no token: on a batch whose rows
+- dropping finished rows from the decode batch changes no token: on a batch whose rows
   stop at ragged steps, the shrinking loop samples exactly what the loop that keeps every row
   samples, with and without the KV cache, while its forward passes really run on fewer rows; a
   rank whose rows have all finished keeps stepping on one row while the reduce says others run;

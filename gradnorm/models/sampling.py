@@ -15,7 +15,7 @@ rows share its batch or in what order. The trainer draws row i's uniforms from a
 by (seed, step, i) (``rollout.sequence_uniforms``); any rank can then sample any sequence and get
 the tokens every other world size gets (to the rounding of the logits).
 
-For the same reason, rows that have finished can leave the decode batch (issue 27): the batch a
+For the same reason, rows that have finished can leave the decode batch: the batch a
 row shares only shrinks, which changes no draw. The tests compare the shrinking loop with the one
 that keeps every row, bit for bit, for TinyGPT and tiny Llama and Qwen2 on CPU with one thread.
 """
@@ -104,7 +104,7 @@ def decode(
     cuts its per-row state (KV cache, attention mask, positions) to them; ``keep`` is None when the
     batch is unchanged. This changes no token: row i is still drawn from its own logits and
     ``uniforms[i]``, whichever rows share its batch. ``drop_finished=False`` keeps every row to the
-    end (the loop before issue 27; for the A/B benchmark and the tests that compare the two).
+    end (the older loop; for the A/B benchmark and the tests that compare the two).
     Rows leave in bunches: once the finished ones are ``DROP_AT`` of the batch.
 
     Noise: ``uniforms`` (B, max_new_tokens), row i for row i (what the trainer passes); without
@@ -152,7 +152,7 @@ def decode(
         keep = None
         dropped = len(rows) - max(mine, 1)  # a rank with no row left still steps on one
         if drop_finished and dropped > 0 and dropped >= DROP_AT * len(rows):
-            # ISSUE 27: drop the finished rows. A rank with none left still steps (lock-step under
+            # Drop the finished rows. A rank with none left still steps (lock-step under
             # FSDP2, whose forward is a collective) on one finished row, whose draws stay PAD.
             keep = live.nonzero().squeeze(1) if mine else live.new_zeros(1, dtype=torch.long)  # (B_{t+1},)
             rows, live, token = rows[keep], live[keep], token[keep]
