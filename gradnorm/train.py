@@ -133,6 +133,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     dp_model = wrap_for_training(policy, cfg.parallel, ctx)
     if not cfg.builtin:
         comm.print0(f"sampling: {policy.decoding(task.block_size)}")
+        comm.print0(f"training forward: {policy.scoring(dp_model)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if ckpt_path is not None:  # weights, AdamW state, reference and RNGs, resharded to this W and --parallel
         checkpoints.load_checkpoint(ckpt_path, model, opt, ref, ctx)

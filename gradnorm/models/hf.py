@@ -255,8 +255,30 @@ def accepts_logits_to_keep(model: nn.Module) -> bool:
     return _accepts(type(model).forward, "logits_to_keep")
 
 
+def prompts_once(model: nn.Module) -> str | None:
+    """Why ``response_logprobs`` cannot run each distinct prompt once for ``model``, or None when it can.
+
+    The shared-prompt forward (``response_logprobs(..., share_prompts=True)``) hands the prompts'
+    KV cache, with its autograd graph, to a second call over the responses. It needs a cache class
+    that can copy rows (``batch_select_indices``) and a forward that takes it. It is not used under
+    activation checkpointing (transformers drops the cache there) or for tensor-subclass parameters
+    (FSDP2's shards: every forward is a collective, and the ranks' calls must pair up).
+    """
+    transformers = require_transformers()
+    inner = getattr(model, "module", model)  # DDP keeps the model it wraps in .module
+    if not hasattr(getattr(transformers, "Cache", None), "batch_select_indices"):
+        return f"transformers {transformers.__version__}'s cache cannot copy rows"
+    # transformers 5 renamed gradient checkpointing activation checkpointing (the old name warns)
+    name = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if getattr(inner, name, False):
+        return "activation checkpointing drops the cache"
+    if any(type(p) not in (torch.Tensor, nn.Parameter) for p in inner.parameters()):  # a subclass stays its own type
+        return "its parameters are tensor subclasses (FSDP2 shards, quantized weights)"
+    return None
+
+
 def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int, *, pad_id: int | None = None,
-                      keep_logits: bool | None = None) -> tuple[Tensor, Tensor]:
+                      keep_logits: bool | None = None, share_prompts: bool = False) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies (fp32) of the response tokens, each (B, L - prompt_len).
 
     ``model`` may be wrapped in DDP (the call goes through its forward, so its hooks fire) or be
@@ -265,14 +287,48 @@ def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int, *, pad_
     R = L - P predictions go through the LM head (``logits_to_keep``): with a 150k vocabulary the
     prompt's logits would be most of the memory. log_softmax runs in float32 even under bf16
     autocast: exp(logp - old_logp) amplifies rounding.
+
+    ``share_prompts`` (only where ``prompts_once(model)`` is None) computes each distinct prompt
+    once when rows share one, as a group's G completions do:
+
+        pass 1   the distinct prompts (U, P), through the unwrapped model: their KV cache, and the
+                 logits at the last prompt position (which predict each row's first response token)
+        copy     cache and logits to every row that has the prompt (``distinct_prompts``' copies)
+        pass 2   the responses (B, R - 1) through ``model`` (DDP's forward, once), attending to the
+                 copied cache
+
+    The graph runs from pass 2 back through the copies into pass 1, so the backward sums each
+    prompt's gradient over its rows, and DDP's gradient hooks still fire once per parameter. The
+    values equal the one-call forward's to fp32 rounding (the matrix products have other shapes),
+    not bit for bit; the cost of the prompt part falls by G.
     """
+    inner = getattr(model, "module", model)  # DDP keeps the model it wraps in .module
     if pad_id is None or keep_logits is None:
-        inner = getattr(model, "module", model)  # DDP keeps the model it wraps in .module
         pad_id = inner.config.pad_token_id if pad_id is None else pad_id
         keep_logits = accepts_logits_to_keep(inner) if keep_logits is None else keep_logits
-    attention, positions = padding_positions(tokens, prompt_len, pad_id)  # (B, L)
     R = tokens.shape[1] - prompt_len
+    if share_prompts and R > 1:
+        first, copies = distinct_prompts(tokens[:, :prompt_len])
+        if copies is not None:
+            return _prompts_once(model, inner, tokens, prompt_len, first, copies, pad_id, keep_logits)
+    attention, positions = padding_positions(tokens, prompt_len, pad_id)  # (B, L)
     kwargs = {"logits_to_keep": R} if keep_logits else {}
     logits = model(input_ids=tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
                    use_cache=False, **kwargs).logits  # (B, R or L - 1, V)
     return token_logprobs_and_entropy(logits[:, -R:], tokens[:, prompt_len:])
+
+
+def _prompts_once(model: nn.Module, inner: nn.Module, tokens: Tensor, prompt_len: int, first: Tensor, copies: Tensor,
+                  pad_id: int, keep_logits: bool) -> tuple[Tensor, Tensor]:
+    """``response_logprobs(..., share_prompts=True)``'s two passes (its docstring), for R >= 2."""
+    P, R, cache_kw = prompt_len, tokens.shape[1] - prompt_len, _cache_kwarg(inner)
+    first_attention, first_positions = padding_positions(first, P, pad_id)  # (U, P) each
+    prompt = inner(input_ids=first, attention_mask=first_attention, position_ids=first_positions, use_cache=True,
+                   **({"logits_to_keep": 1} if keep_logits else {}))
+    cache = _cache_of(prompt, cache_kw)
+    cache.batch_select_indices(copies)  # (U, ...) -> (B, ...): indexing, so gradients flow back to pass 1
+    attention, positions = padding_positions(tokens, P, pad_id)  # (B, L): the cache's columns, then the responses'
+    responses = model(input_ids=tokens[:, P:-1], attention_mask=attention[:, :-1], position_ids=positions[:, P:-1],
+                      use_cache=True, **({"logits_to_keep": R - 1} if keep_logits else {}), **{cache_kw: cache})
+    logits = torch.cat([prompt.logits[:, -1:][copies], responses.logits[:, -(R - 1):]], dim=1)  # (B, R, V)
+    return token_logprobs_and_entropy(logits, tokens[:, P:])

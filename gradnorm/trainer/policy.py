@@ -106,7 +106,13 @@ class HFPolicy:
 
     def score(self, module, tokens, prompt_len):
         return hf.response_logprobs(module, tokens, prompt_len, pad_id=self.model.config.pad_token_id,
-                                    keep_logits=hf.accepts_logits_to_keep(self.model))
+                                    keep_logits=hf.accepts_logits_to_keep(self.model),
+                                    share_prompts=self.prompts_once(module) is None)
+
+    def prompts_once(self, module: nn.Module) -> str | None:
+        """Why scoring through ``module`` computes every row's prompt, or None when it computes each
+        distinct prompt once (``hf.prompts_once``). Asked at every call: FSDP2 shards in place."""
+        return hf.prompts_once(module)
 
     def blocks(self):
         # transformers names its repeated block classes in _no_split_modules (LlamaDecoderLayer...)
@@ -126,6 +132,12 @@ class HFPolicy:
         """How sampling steps this model (after the prompts' prefill), in words for the run's log."""
         why_not = llama_decode.unsupported(self.model, total_len)
         return "direct steps (gradnorm.models.llama_decode)" if why_not is None else f"the model's forward ({why_not})"
+
+    def scoring(self, module: nn.Module) -> str:
+        """How the scoring and training forwards through ``module`` compute prompts, in words for the run's log."""
+        why_not = self.prompts_once(module)
+        return "each distinct prompt once (gradnorm.models.hf.response_logprobs)" if why_not is None \
+            else f"every row's prompt ({why_not})"
 
 
 def build_policy(cfg: TrainConfig, device: torch.device, world_size: int = 1,

@@ -1,0 +1,145 @@
+"""Each distinct prompt once in the scoring and training forward of a Hugging Face policy.
+
+A group's G completions share their prompt. ``hf.response_logprobs(..., share_prompts=True)``
+runs the distinct prompts once, copies their KV cache and last logits to every row, and runs the
+responses against the copies (two calls instead of one). What must hold:
+- the log-probs, entropies and parameter gradients equal the one-call forward's to fp32
+  rounding, for tiny Llama and Qwen2, with padded prompts and rows in any order (control: copying
+  the wrong group's prompt is far off);
+- the prompt pass really runs on the distinct prompts only (U rows, the responses on B);
+- rows that share no prompt, and one-token responses, take the one-call forward;
+- ``prompts_once`` turns the shared forward away where it would be wrong or would break lockstep
+  (activation checkpointing, tensor-subclass parameters such as FSDP2's shards), and
+  ``HFPolicy.score`` then computes every row's prompt.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+pytest.importorskip("transformers")
+
+from tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402  (examples/, on the path via conftest)
+from gradnorm.models import hf  # noqa: E402
+from gradnorm.models.hf import load_causal_lm, load_tokenizer, prompts_once, response_logprobs  # noqa: E402
+from gradnorm.trainer.policy import HFPolicy  # noqa: E402
+
+BUILDERS = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2}
+GROUPS, G, P, R = 5, 4, 9, 7
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def model(request, tmp_path_factory):
+    path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+    return load_causal_lm(str(path), pad_id=load_tokenizer(str(path)).pad_token_id)
+
+
+def grouped_batch(model, seed=0):
+    """(B, P + R) tokens: GROUPS prompts (some left-padded) x G random responses, rows shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    V, pad = model.config.vocab_size, model.config.pad_token_id
+    prompts = torch.randint(3, V, (GROUPS, P), generator=g)
+    prompts[prompts == pad] = 3
+    prompts[0, :4] = pad
+    prompts[2, :1] = pad
+    responses = torch.randint(3, V, (GROUPS * G, R), generator=g)
+    tokens = torch.cat([prompts.repeat_interleave(G, 0), responses], dim=1)
+    return tokens[torch.randperm(len(tokens), generator=g)]
+
+
+def rows_per_call(model):
+    """A list the model's embedding appends each forward call's row count to, and its hook handle."""
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    return seen, handle
+
+
+def values_and_grads(model, tokens, **kwargs):
+    model.zero_grad(set_to_none=True)
+    logp, entropy = response_logprobs(model, tokens, P, **kwargs)
+    weights = torch.linspace(-1, 1, R)  # any loss that reads every position
+    ((logp + 0.1 * entropy) * weights).sum().backward()
+    return logp.detach(), entropy.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_each_prompt_once_gives_the_one_call_values_and_gradients(model):
+    tokens = grouped_batch(model)
+    assert prompts_once(model) is None
+    one_call = values_and_grads(model, tokens, share_prompts=False)
+    seen, handle = rows_per_call(model)
+    try:
+        shared = values_and_grads(model, tokens, share_prompts=True)
+    finally:
+        handle.remove()
+    assert seen == [GROUPS, GROUPS * G]  # the prompts on their distinct rows, then the responses on all
+    for got, want in zip(shared, one_call):
+        assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(shared[2], torch.zeros_like(shared[2]))
+
+
+def test_the_wrong_groups_prompt_is_caught(model, monkeypatch):
+    """Control: the same two passes, each row given the next group's prompt, must not pass."""
+    tokens = grouped_batch(model)
+    one_call = values_and_grads(model, tokens, share_prompts=False)
+    real = hf.distinct_prompts
+
+    def shifted(prompts):
+        first, copies = real(prompts)
+        return first, (copies + 1) % len(first)
+
+    monkeypatch.setattr(hf, "distinct_prompts", shifted)
+    wrong = values_and_grads(model, tokens, share_prompts=True)
+    assert (wrong[0] - one_call[0]).abs().max() > 1e-2
+    with pytest.raises(AssertionError):
+        assert_close(wrong[2], one_call[2], rtol=1e-5, atol=1e-6)
+
+
+def test_distinct_prompts_and_one_token_responses_take_one_call(model):
+    tokens = grouped_batch(model)
+    alone = tokens[torch.unique(tokens[:, :P], dim=0, return_inverse=True)[1].argsort(stable=True)]
+    distinct = torch.stack([alone[i] for i in range(0, len(alone), G)])  # one row per prompt
+    seen, handle = rows_per_call(model)
+    try:
+        with torch.no_grad():
+            response_logprobs(model, distinct, P, share_prompts=True)
+            response_logprobs(model, tokens[:, : P + 1], P, share_prompts=True)
+    finally:
+        handle.remove()
+    assert seen == [GROUPS, GROUPS * G]
+
+
+def test_prompts_once_says_why_not_and_the_policy_scores_every_prompt(model, monkeypatch):
+    tokens = grouped_batch(model)
+    policy = HFPolicy(model)
+    seen, handle = rows_per_call(model)
+    try:
+        with torch.no_grad():
+            policy.score(model, tokens, P)
+            assert seen == [GROUPS, GROUPS * G] and "each distinct prompt once" in policy.scoring(model)
+
+            class Marked(torch.Tensor):  # what FSDP2's DTensor shards and quantized weights are
+                pass
+
+            original = model.model.norm.weight
+            model.model.norm.weight = nn.Parameter(original.detach().as_subclass(Marked))
+            try:
+                assert "tensor subclasses" in prompts_once(model)
+                seen.clear()
+                policy.score(model, tokens, P)
+                assert seen == [GROUPS * G]
+            finally:
+                model.model.norm.weight = original
+
+            name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+                else "is_gradient_checkpointing"
+            monkeypatch.setattr(type(model), name, property(lambda self: True))
+            assert "checkpointing" in prompts_once(model) and "every row's prompt" in policy.scoring(model)
+            seen.clear()
+            policy.score(model, tokens, P)
+            assert seen == [GROUPS * G]
+            monkeypatch.undo()
+            assert prompts_once(model) is None
+    finally:
+        handle.remove()
