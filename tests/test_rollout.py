@@ -234,6 +234,14 @@ def test_non_finite_logits_raise_a_named_value_error():
     bad[1, 3] = float("inf")
     with pytest.raises(NonFiniteLogitsError):
         decode(prompts, ok, lambda token, t, out, keep: bad, R, EOS, PAD, uniforms=torch.rand(2, R))
+    nothing = ok.clone()
+    nothing[0] = float("-inf")  # a row where no token has any probability
+    with pytest.raises(NonFiniteLogitsError):
+        decode(prompts, ok, lambda token, t, out, keep: nothing, R, EOS, PAD, uniforms=torch.rand(2, R))
+    nan = ok.clone()
+    nan[0, 0] = float("nan")  # NaN beside finite logits and -inf
+    with pytest.raises(NonFiniteLogitsError):
+        decode(prompts, ok, lambda token, t, out, keep: nan, R, EOS, PAD, uniforms=torch.rand(2, R))
 
 
 # ------------------------------------------------------------------ sharded generation on 2 gloo ranks

@@ -157,7 +157,9 @@ class LlamaDecoder:
             self.k[layer, :, :, :P] = k if rows is None else k[rows]
             self.v[layer, :, :, :P] = v if rows is None else v[rows]
         self.length = P  # positions in the cache
-        self.mask = attention.bool()  # (B, P): which cached positions a query may attend to
+        # (B, total_len): which cached positions a query may attend to; every position after the
+        # prompt is a sampled token, hence real
+        self.mask = torch.cat([attention.bool(), attention.new_ones(B, total_len - P, dtype=torch.bool)], dim=1)
         self.padded = bool((~self.mask).any())  # any prompt padding left in the batch
 
     def keep(self, rows: Tensor) -> None:
@@ -169,10 +171,9 @@ class LlamaDecoder:
     def step(self, token: Tensor, position: Tensor) -> Tensor:
         """Feed one token per row (B,) at positions ``position`` (B,); returns the next logits (B, V)."""
         B, end = token.shape[0], self.length + 1
-        self.mask = torch.cat([self.mask, self.mask.new_ones(B, 1)], dim=1)  # (B, end): the new token is real
         # transformers drops the mask when no position is padding (and lets SDPA share the KV heads);
         # otherwise a one-token query's heads are folded onto their KV head, against a (B, 1, 1, end) mask.
-        mask = None if not self.padded else self.mask[:, None, None, :]
+        mask = None if not self.padded else self.mask[:, None, None, :end]
         cos = self.cos[position][:, None, None, :]  # (B, 1, 1, D)
         sin = self.sin[position][:, None, None, :]
         x = F.embedding(token[:, None], self.embed)  # (B, 1, C)
