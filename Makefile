@@ -44,7 +44,7 @@ example: install
 	$(PY) -m gradnorm.teach.worked_example
 
 # Regenerates every committed benchmark result: results.md/.json, rollouts.md, vs_trl.md/.json, packing.md/.json, phases.md/.json, decode_ab.md/.json,
-# cli_parsers.md, canvas_latency.md and the README's numbers (between its bench and demo markers). Installs the optional `bench`
+# forward_ab.md/.json, cli_parsers.md, canvas_latency.md and the README's numbers (between its bench and demo markers). Installs the optional `bench`
 # extra (TRL, and tyro and ipympl, the libraries docs/design.md weighs) first.
 bench: install
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]"
@@ -54,6 +54,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/packing.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/phases.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/decode_ab.py --out benchmarks
+	OMP_NUM_THREADS=1 $(PY) benchmarks/forward_ab.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/demo.py --readme README.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/cli_parsers.py --rounds 10 --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/canvas_latency.py --presses 20 --out benchmarks

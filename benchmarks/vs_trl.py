@@ -22,7 +22,9 @@ model's forward, and prefills each prompt once per completion. gradnorm samples 
 loop: each distinct prompt is prefilled once (``sampling.distinct_prompts``), finished rows leave
 the decode batch, and the Qwen2's decoding steps run directly on its parameters
 (``gradnorm.models.llama_decode``, the model's logits bit for bit); ``benchmarks/decode_ab.md``
-times each of those alone. TRL gathers its logged metrics across ranks every step; gradnorm
+times each of those alone. TRL's training forward computes every completion's prompt; gradnorm's
+computes each distinct prompt once and the completions against copies of its KV cache (the same
+log-probs to fp32 rounding; ``benchmarks/forward_ab.md`` times it alone). TRL gathers its logged metrics across ranks every step; gradnorm
 all-reduces one vector of sums (and one of phase times).
 """
 
@@ -208,6 +210,9 @@ def render(table: dict, meta: dict) -> str:
               " reward, advantages, gathers); gradnorm's `time_rollout_s` (its seeded sampling loop, reward,"
               " advantages, the all_gather of the sharded batch). Both sample only each rank's share of the"
               " batch (gradnorm's default `--rollouts sharded`).", "",
+              "Training forward: TRL's runs every completion's prompt; gradnorm's runs each distinct prompt once and"
+              " the completions against copies of its KV cache (the same log-probs to fp32 rounding;"
+              " `benchmarks/forward_ab.md` times the two alone).", "",
               "TRL's `GRPOConfig` (everything else at TRL's defaults; `per_device_train_batch_size` = 64 / W):", "",
               "```", *(f"{k}={v!r}" for k, v in TRL_SETTINGS.items()), "```", "",
               "gradnorm's flags (besides `--model`, `--steps`, `--output-dir`):", "",
