@@ -9,8 +9,9 @@ responses against the copies (two calls instead of one). What must hold:
 - the prompt pass really runs on the distinct prompts only (U rows, the responses on B);
 - rows that share no prompt, and one-token responses, take the one-call forward;
 - ``prompts_once`` turns the shared forward away where it would be wrong or would break lockstep
-  (activation checkpointing, tensor-subclass parameters such as FSDP2's shards), and
-  ``HFPolicy.score`` then computes every row's prompt.
+  (activation checkpointing, sliding-window attention, tensor-subclass parameters such as FSDP2's
+  shards), and ``HFPolicy.score`` then computes every row's prompt; a cache that cannot copy rows
+  gets the one-call forward.
 """
 
 import pytest
@@ -140,6 +141,18 @@ def test_prompts_once_says_why_not_and_the_policy_scores_every_prompt(model, mon
             policy.score(model, tokens, P)
             assert seen == [GROUPS * G]
             monkeypatch.undo()
+            monkeypatch.setattr(model.config, "layer_types", ["sliding_attention", "full_attention"], raising=False)
+            assert "sliding-window" in prompts_once(model)
+            monkeypatch.undo()
             assert prompts_once(model) is None
     finally:
         handle.remove()
+
+
+def test_a_cache_that_cannot_copy_rows_gets_the_one_call_forward(model, monkeypatch):
+    tokens = grouped_batch(model)
+    with torch.no_grad():
+        want, _ = response_logprobs(model, tokens, P, share_prompts=False)
+        monkeypatch.setattr(hf, "_cache_of", lambda output, name: object())  # a cache class of the model's own
+        got, _ = response_logprobs(model, tokens, P, share_prompts=True)
+    assert torch.equal(got, want)  # the one-call forward itself, bit for bit

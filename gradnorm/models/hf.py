@@ -261,8 +261,10 @@ def prompts_once(model: nn.Module) -> str | None:
     The shared-prompt forward (``response_logprobs(..., share_prompts=True)``) hands the prompts'
     KV cache, with its autograd graph, to a second call over the responses. It needs a cache class
     that can copy rows (``batch_select_indices``) and a forward that takes it. It is not used under
-    activation checkpointing (transformers drops the cache there) or for tensor-subclass parameters
-    (FSDP2's shards: every forward is a collective, and the ranks' calls must pair up).
+    activation checkpointing (transformers drops the cache there), with sliding-window attention
+    (whose cache keeps only the window), or for tensor-subclass parameters (FSDP2's shards: every
+    forward is a collective, and the ranks' calls must pair up). A model whose forward returns a cache
+    that cannot copy rows after all (a class of its own) gets the one-call forward as well.
     """
     transformers = require_transformers()
     inner = getattr(model, "module", model)  # DDP keeps the model it wraps in .module
@@ -272,6 +274,10 @@ def prompts_once(model: nn.Module) -> str | None:
     name = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
     if getattr(inner, name, False):
         return "activation checkpointing drops the cache"
+    config = inner.config
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()) or (
+            getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)):
+        return "sliding-window attention (its cache keeps only the window)"
     if any(type(p) not in (torch.Tensor, nn.Parameter) for p in inner.parameters()):  # a subclass stays its own type
         return "its parameters are tensor subclasses (FSDP2 shards, quantized weights)"
     return None
@@ -326,6 +332,8 @@ def _prompts_once(model: nn.Module, inner: nn.Module, tokens: Tensor, prompt_len
     prompt = inner(input_ids=first, attention_mask=first_attention, position_ids=first_positions, use_cache=True,
                    **({"logits_to_keep": 1} if keep_logits else {}))
     cache = _cache_of(prompt, cache_kw)
+    if not hasattr(cache, "batch_select_indices"):  # a cache class of the model's own: one call over whole rows
+        return response_logprobs(model, tokens, P, pad_id=pad_id, keep_logits=keep_logits, share_prompts=False)
     cache.batch_select_indices(copies)  # (U, ...) -> (B, ...): indexing, so gradients flow back to pass 1
     attention, positions = padding_positions(tokens, P, pad_id)  # (B, L): the cache's columns, then the responses'
     responses = model(input_ids=tokens[:, P:-1], attention_mask=attention[:, :-1], position_ids=positions[:, P:-1],

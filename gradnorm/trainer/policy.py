@@ -31,6 +31,10 @@ chunks k is picked by a cost model in token positions: a chunk of n rows cut to 
 (n + ``overhead_rows``) * w, the extra rows standing for the fixed cost of one more forward call.
 Several forward passes before one backward are fine under DDP (each parameter's gradient hook
 still fires once per backward) and under FSDP2 (each forward gathers the parameters it needs).
+
+Prompts once. A chunk's rows come in groups that share a prompt; ``HFPolicy.score`` computes each
+distinct prompt once and the responses against copies of its KV cache (``hf.response_logprobs``,
+two calls where the model allows it: ``hf.prompts_once``), the same log-probs to fp32 rounding.
 """
 
 from __future__ import annotations
