@@ -261,10 +261,9 @@ def prompts_once(model: nn.Module) -> str | None:
     The shared-prompt forward (``response_logprobs(..., share_prompts=True)``) hands the prompts'
     KV cache, with its autograd graph, to a second call over the responses. It needs a cache class
     that can copy rows (``batch_select_indices``) and a forward that takes it. It is not used under
-    activation checkpointing (transformers drops the cache there), with sliding-window attention
-    (whose cache keeps only the window), or for tensor-subclass parameters (FSDP2's shards: every
-    forward is a collective, and the ranks' calls must pair up). A model whose forward returns a cache
-    that cannot copy rows after all (a class of its own) gets the one-call forward as well.
+    activation checkpointing (transformers drops the cache there) or with sliding-window attention
+    (whose cache keeps only the window). A model whose forward returns a cache that cannot copy
+    rows after all (a class of its own) gets the one-call forward after pass 1, still two calls.
     """
     transformers = require_transformers()
     inner = getattr(model, "module", model)  # DDP keeps the model it wraps in .module
@@ -278,8 +277,6 @@ def prompts_once(model: nn.Module) -> str | None:
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()) or (
             getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)):
         return "sliding-window attention (its cache keeps only the window)"
-    if any(type(p) not in (torch.Tensor, nn.Parameter) for p in inner.parameters()):  # a subclass stays its own type
-        return "its parameters are tensor subclasses (FSDP2 shards, quantized weights)"
     return None
 
 
@@ -295,7 +292,7 @@ def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int, *, pad_
     autocast: exp(logp - old_logp) amplifies rounding.
 
     ``share_prompts`` (only where ``prompts_once(model)`` is None) computes each distinct prompt
-    once when rows share one, as a group's G completions do:
+    once, for rows that share one as a group's G completions do, in exactly two calls:
 
         pass 1   the distinct prompts (U, P), through the unwrapped model: their KV cache, and the
                  logits at the last prompt position (which predict each row's first response token)
@@ -307,16 +304,22 @@ def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int, *, pad_
     prompt's gradient over its rows, and DDP's gradient hooks still fire once per parameter. The
     values equal the one-call forward's to fp32 rounding (the matrix products have other shapes),
     not bit for bit; the cost of the prompt part falls by G.
+
+    Two calls whatever the rows, so that FSDP2's ranks, whose every forward is a collective, make
+    the same calls: rows that share no prompt still take both passes, and a one-token response
+    (nothing for pass 2 to predict) runs pass 2 on it and adds its logits times zero, which keeps
+    the pass in the graph as ``score_by_length``'s idle calls do.
     """
     inner = getattr(model, "module", model)  # DDP keeps the model it wraps in .module
     if pad_id is None or keep_logits is None:
         pad_id = inner.config.pad_token_id if pad_id is None else pad_id
         keep_logits = accepts_logits_to_keep(inner) if keep_logits is None else keep_logits
     R = tokens.shape[1] - prompt_len
-    if share_prompts and R > 1:
+    if share_prompts:
         first, copies = distinct_prompts(tokens[:, :prompt_len])
-        if copies is not None:
-            return _prompts_once(model, inner, tokens, prompt_len, first, copies, pad_id, keep_logits)
+        if copies is None:  # every prompt distinct: each row is its own copy
+            copies = torch.arange(len(tokens), device=tokens.device)
+        return _prompts_once(model, inner, tokens, prompt_len, first, copies, pad_id, keep_logits)
     attention, positions = padding_positions(tokens, prompt_len, pad_id)  # (B, L)
     kwargs = {"logits_to_keep": R} if keep_logits else {}
     logits = model(input_ids=tokens[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
@@ -326,17 +329,24 @@ def response_logprobs(model: nn.Module, tokens: Tensor, prompt_len: int, *, pad_
 
 def _prompts_once(model: nn.Module, inner: nn.Module, tokens: Tensor, prompt_len: int, first: Tensor, copies: Tensor,
                   pad_id: int, keep_logits: bool) -> tuple[Tensor, Tensor]:
-    """``response_logprobs(..., share_prompts=True)``'s two passes (its docstring), for R >= 2."""
+    """``response_logprobs(..., share_prompts=True)``'s two passes (its docstring)."""
     P, R, cache_kw = prompt_len, tokens.shape[1] - prompt_len, _cache_kwarg(inner)
     first_attention, first_positions = padding_positions(first, P, pad_id)  # (U, P) each
     prompt = inner(input_ids=first, attention_mask=first_attention, position_ids=first_positions, use_cache=True,
                    **({"logits_to_keep": 1} if keep_logits else {}))
     cache = _cache_of(prompt, cache_kw)
-    if not hasattr(cache, "batch_select_indices"):  # a cache class of the model's own: one call over whole rows
-        return response_logprobs(model, tokens, P, pad_id=pad_id, keep_logits=keep_logits, share_prompts=False)
+    if not hasattr(cache, "batch_select_indices"):  # a cache class of the model's own: the one-call forward
+        logp, entropy = response_logprobs(model, tokens, P, pad_id=pad_id, keep_logits=keep_logits)
+        return logp + 0.0 * prompt.logits.sum(), entropy  # still two calls, pass 1 in the graph at zero weight
     cache.batch_select_indices(copies)  # (U, ...) -> (B, ...): indexing, so gradients flow back to pass 1
     attention, positions = padding_positions(tokens, P, pad_id)  # (B, L): the cache's columns, then the responses'
-    responses = model(input_ids=tokens[:, P:-1], attention_mask=attention[:, :-1], position_ids=positions[:, P:-1],
-                      use_cache=True, **({"logits_to_keep": R - 1} if keep_logits else {}), **{cache_kw: cache})
-    logits = torch.cat([prompt.logits[:, -1:][copies], responses.logits[:, -(R - 1):]], dim=1)  # (B, R, V)
+    fed = max(R - 1, 1)  # the responses but their last token; a one-token response is fed as it is (and unused)
+    responses = model(input_ids=tokens[:, P : P + fed], attention_mask=attention[:, : P + fed],
+                      position_ids=positions[:, P : P + fed], use_cache=True,
+                      **({"logits_to_keep": fed} if keep_logits else {}), **{cache_kw: cache})
+    first_logits = prompt.logits[:, -1:][copies]  # (B, 1, V): they predict each row's first response token
+    if R == 1:  # pass 2 predicts nothing: in the graph at zero weight
+        logp, entropy = token_logprobs_and_entropy(first_logits, tokens[:, P:])
+        return logp + 0.0 * responses.logits.sum(), entropy
+    logits = torch.cat([first_logits, responses.logits[:, -(R - 1):]], dim=1)  # (B, R, V)
     return token_logprobs_and_entropy(logits, tokens[:, P:])

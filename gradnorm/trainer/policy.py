@@ -115,7 +115,7 @@ class HFPolicy:
 
     def prompts_once(self, module: nn.Module) -> str | None:
         """Why scoring through ``module`` computes every row's prompt, or None when it computes each
-        distinct prompt once (``hf.prompts_once``). Asked at every call: FSDP2 shards in place."""
+        distinct prompt once (``hf.prompts_once``)."""
         return hf.prompts_once(module)
 
     def blocks(self):
