@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,7 @@ from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 from gradnorm.train import main
 from gradnorm.teach.launch import torchrun_command
+from runfiles import launch_all  # tests/runfiles.py
 from test_reliability import TINY, Evil, assert_same_steps, metrics, one_error_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,15 +276,19 @@ def runs(tmp_path_factory):
         return base / name
 
     out = {"model": model, "fsdp2": base / "fsdp2"}
-    launch(torchrun("gradnorm/train.py", out["fsdp2"], "fsdp"), env)
-    out["fsdp2-to-1"] = from_step_2(out["fsdp2"], "fsdp2-to-1")
-    launch([sys.executable, "gradnorm/train.py", *flags, "--output-dir", str(out["fsdp2-to-1"]), "--resume"], env)
-    out["fsdp2-to-ddp"] = from_step_2(out["fsdp2"], "fsdp2-to-ddp")
-    launch(torchrun("gradnorm/train.py", out["fsdp2-to-ddp"], "ddp", "--resume"), env)
-
     out["ddp-to-fsdp2"] = killed = base / "ddp-to-fsdp2"
     (base / "markers").mkdir()
-    kill_while_saving(torchrun(base / "hang_in_writer.py", killed, "ddp"), env, base / "markers", world_size=2)
+    # Independent launches overlap (each writes its own directory): the run killed at its step-4
+    # save beside the FSDP2 run, then the two resumes of the FSDP2 run's step-2 checkpoint.
+    with ThreadPoolExecutor(1) as beside:
+        killing = beside.submit(kill_while_saving, torchrun(base / "hang_in_writer.py", killed, "ddp"), env,
+                                base / "markers", world_size=2)
+        launch(torchrun("gradnorm/train.py", out["fsdp2"], "fsdp"), env)
+        out["fsdp2-to-1"] = from_step_2(out["fsdp2"], "fsdp2-to-1")
+        out["fsdp2-to-ddp"] = from_step_2(out["fsdp2"], "fsdp2-to-ddp")
+        launch_all([[sys.executable, "gradnorm/train.py", *flags, "--output-dir", str(out["fsdp2-to-1"]), "--resume"],
+                    torchrun("gradnorm/train.py", out["fsdp2-to-ddp"], "ddp", "--resume")], ROOT, env)
+        killing.result()
     out["after the kill"] = {"entries": sorted(p.name for p in killed.iterdir() if "ckpt" in p.name),
                              "torn": sorted(p.name for p in (killed / ".ckpt_step4.tmp").iterdir()),
                              "latest": checkpointing.latest_checkpoint(killed),

@@ -31,7 +31,7 @@ from gradnorm.trainer.run import MAX_PHASES, PHASES
 from gradnorm.trainer.run import METRIC_KEYS as PHASE_KEYS
 from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.teach.launch import torchrun_command
-from runfiles import metrics  # tests/runfiles.py
+from runfiles import launch_all, metrics  # tests/runfiles.py
 
 pytestmark = pytest.mark.slow
 
@@ -49,24 +49,6 @@ def torchrun(nproc: int, out: Path, *flags: str) -> None:
     cmd = torchrun_command(nproc, *TINY, "--output-dir", str(out), *flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-
-
-def launch_all(jobs: list[list[str]], at_once: int = 2) -> None:
-    """Run the commands ``jobs``, ``at_once`` at a time, each to success.
-
-    A short torchrun launch spends much of its wall time with a core idle (the agent starting, the
-    rendezvous, the workers' imports finishing at different times), so two launches side by side
-    take well under twice one. Each writes its own output directory; no result depends on timing.
-    """
-    pending, running = list(jobs), []
-    while pending or running:
-        while pending and len(running) < at_once:
-            cmd = pending.pop(0)
-            running.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True)))
-        cmd, proc = running.pop(0)
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{out}\n{err}"
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +81,7 @@ def runs(tmp_path_factory):
     # uninterrupted steps, which also serve the resume test.
     full = base / "full"
     jobs.append(torchrun_command(2, *TINY, "--output-dir", str(full), "--steps", "4", "--save-every", "2", *PACKED))
-    launch_all(jobs)
+    launch_all(jobs, ROOT, ENV)
     found = {(mode, 1, 1, "interleave"): metrics(base / "single" / mode)[0] for mode in REFERENCE_MODES}
     found["token", 1, 4, "contiguous"] = metrics(base / "single" / "token-1-4")[0]
     found.update({key: metrics(path)[0] for key, path in out.items()})
