@@ -30,8 +30,8 @@ The (1, 1) runs are ``main()`` in this process; every other run is a torchrun la
 import json
 import os
 import shutil
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,7 +43,7 @@ from gradnorm.trainer.run import TIMING_KEYS
 from gradnorm.trainer.policy import build_policy, warm_up
 from gradnorm.train import main
 from gradnorm.trainer.config import parse_config
-from runfiles import comparable, metrics  # tests/runfiles.py
+from runfiles import comparable, launch_all, metrics  # tests/runfiles.py
 from test_bad_input_runtime import every_file
 from test_reliability import one_error_line
 
@@ -58,11 +58,13 @@ SHARDED = ["--grad-accum-steps", "2", "--shard", "length"]  # (W, A) = (2, 2), r
 REUSE = ["--minibatches-per-rollout", "2", "--epochs", "2", "--steps", "4"]
 
 
+def torchrun_cmd(out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
+
+
 def torchrun(out: Path, *flags: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    launch_all([torchrun_cmd(out, *flags)], ROOT, ENV)
 
 
 def one_process(out: Path, *flags: str) -> None:
@@ -74,16 +76,16 @@ def departs(got: float, reference: float) -> bool:
     return abs(got - reference) / reference > 1e-3
 
 
-def continued(base: Path, source: str, name: str, *flags: str) -> Path:
-    """Step 2 on 2 ranks x 2 microbatches, continued from the W = 1 run ``source``'s step-1 checkpoint."""
+def continued(base: Path, source: str, name: str, *flags: str) -> list[str]:
+    """The command for step 2 on 2 ranks x 2 microbatches, continued from the W = 1 run ``source``'s
+    step-1 checkpoint (copied to ``base / name``)."""
     out = base / name
     out.mkdir()
     # A bare checkpoint, without config.json, resumes without comparing the flags: the local control
     # changes A and the sharding, which a --resume of a local run refuses (gradnorm.trainer.config).
     shutil.copytree(base / source / "ckpt_step1", out / "ckpt_step1")
     shutil.copy(base / source / "metrics.jsonl", out)
-    torchrun(out, "--steps", "2", "--resume", *SHARDED, *flags)
-    return out
+    return torchrun_cmd(out, "--steps", "2", "--resume", *SHARDED, *flags)
 
 
 # ------------------------------------------------------------------ beta > 0
@@ -93,16 +95,20 @@ def continued(base: Path, source: str, name: str, *flags: str) -> Path:
 def kl_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("kl")
     beta = ["--beta", str(BETA)]
-    one_process(base / "one", "--steps", "4", "--save-every", "1", *beta)
-    one_process(base / "no_kl", "--steps", "2")
-    one_process(base / "one_local", "--steps", "1", "--loss-denominator", "local", *beta)
-    torchrun(base / "two", "--steps", "4", "--save-every", "2", *SHARDED, *beta)
+    # Independent runs overlap (each writes its own directory): the 2-rank run beside the
+    # one-process runs in this process, then the two continuations of theirs.
+    with ThreadPoolExecutor(1) as beside:
+        two = beside.submit(torchrun, base / "two", "--steps", "4", "--save-every", "2", *SHARDED, *beta)
+        one_process(base / "one", "--steps", "4", "--save-every", "1", *beta)
+        one_process(base / "no_kl", "--steps", "2")
+        one_process(base / "one_local", "--steps", "1", "--loss-denominator", "local", *beta)
+        launch_all([continued(base, "one", "two_from_one", *beta),
+                    continued(base, "one_local", "two_local_from_one", "--loss-denominator", "local", *beta)], ROOT, ENV)
+        two.result()
     # Interrupted after step 2: the copy of the 2-rank run loses its step-4 checkpoint, then resumes.
     shutil.copytree(base / "two", base / "resumed")
     shutil.rmtree(base / "resumed" / "ckpt_step4")
     torchrun(base / "resumed", "--steps", "4", "--save-every", "2", "--resume", *SHARDED, *beta)
-    continued(base, "one", "two_from_one", *beta)
-    continued(base, "one_local", "two_local_from_one", "--loss-denominator", "local", *beta)
     return base
 
 
@@ -175,9 +181,12 @@ def test_token_with_kl_is_invariant_to_world_size_accumulation_and_sharding(kl_r
 @pytest.fixture(scope="module")
 def reuse_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("reuse")
-    one_process(base / "one", *REUSE)
-    torchrun(base / "two", *REUSE, *SHARDED)
-    torchrun(base / "two_local", *REUSE, *SHARDED, "--loss-denominator", "local")
+    with ThreadPoolExecutor(1) as beside:  # the two launches, two at a time, beside the one-process run
+        launched = beside.submit(launch_all, [torchrun_cmd(base / "two", *REUSE, *SHARDED),
+                                              torchrun_cmd(base / "two_local", *REUSE, *SHARDED, "--loss-denominator", "local")],
+                                 ROOT, ENV)
+        one_process(base / "one", *REUSE)
+        launched.result()
     return {name: metrics(base / name) for name in ("one", "two", "two_local")}
 
 
