@@ -1,6 +1,6 @@
 """Paired A/B of the training forward: each distinct prompt once, against every row's prompt.
 
-    python benchmarks/forward_ab.py                      # about a minute on 2 cores (make bench runs it)
+    python benchmarks/forward_ab.py                      # under a minute on 2 cores (make bench runs it)
     python benchmarks/forward_ab.py --rounds 4 --out /tmp/ab   # a smoke-sized run
 
 A group's G completions share their prompt. ``hf.response_logprobs(..., share_prompts=True)`` runs

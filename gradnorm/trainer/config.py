@@ -147,7 +147,8 @@ class TrainConfig:
     pack: bool = False
     """Padding-free microbatches: a microbatch's sequences are concatenated into one row, positions
     restart at every sequence and attention never crosses a sequence boundary. The log-probs equal
-    the padded ones to fp32 rounding; the forward skips the padding."""
+    the padded ones to fp32 rounding; the forward skips the padding, but computes each sequence's
+    prompt, where a Hugging Face model's padded forward computes a group's prompt once."""
 
     # ---- batch and schedule
     steps: int = 300
