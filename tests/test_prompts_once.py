@@ -14,6 +14,8 @@ responses against the copies (two calls instead of one). What must hold:
   row's prompt; a cache that cannot copy rows gets the one-call forward after pass 1.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -49,11 +51,15 @@ def grouped_batch(model, seed=0):
     return tokens[torch.randperm(len(tokens), generator=g)]
 
 
+@contextlib.contextmanager
 def rows_per_call(model):
-    """A list the model's embedding appends each forward call's row count to, and its hook handle."""
+    """Inside: a list the model's embedding appends each forward call's row count to."""
     seen = []
     handle = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
-    return seen, handle
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def values_and_grads(model, tokens, **kwargs):
@@ -68,11 +74,8 @@ def test_each_prompt_once_gives_the_one_call_values_and_gradients(model):
     tokens = grouped_batch(model)
     assert prompts_once(model) is None
     one_call = values_and_grads(model, tokens, share_prompts=False)
-    seen, handle = rows_per_call(model)
-    try:
+    with rows_per_call(model) as seen:
         shared = values_and_grads(model, tokens, share_prompts=True)
-    finally:
-        handle.remove()
     assert seen == [GROUPS, GROUPS * G]  # the prompts on their distinct rows, then the responses on all
     for got, want in zip(shared, one_call):
         assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -104,11 +107,8 @@ def test_distinct_prompts_and_one_token_responses_still_take_two_calls(model):
     one_token = tokens[:, : P + 1]
     for rows in (distinct, one_token):
         want = values_and_grads(model, rows, share_prompts=False)
-        seen, handle = rows_per_call(model)
-        try:
+        with rows_per_call(model) as seen:
             got = values_and_grads(model, rows, share_prompts=True)
-        finally:
-            handle.remove()
         assert seen == [GROUPS, len(rows)]
         for g, w in zip(got, want):
             assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -117,26 +117,22 @@ def test_distinct_prompts_and_one_token_responses_still_take_two_calls(model):
 def test_prompts_once_says_why_not_and_the_policy_scores_every_prompt(model, monkeypatch):
     tokens = grouped_batch(model)
     policy = HFPolicy(model)
-    seen, handle = rows_per_call(model)
-    try:
-        with torch.no_grad():
-            policy.score(model, tokens, P)
-            assert seen == [GROUPS, GROUPS * G] and "each distinct prompt once" in policy.scoring(model)
+    with rows_per_call(model) as seen, torch.no_grad():
+        policy.score(model, tokens, P)
+        assert seen == [GROUPS, GROUPS * G] and "each distinct prompt once" in policy.scoring(model)
 
-            name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-                else "is_gradient_checkpointing"
-            monkeypatch.setattr(type(model), name, property(lambda self: True))
-            assert "checkpointing" in prompts_once(model) and "every row's prompt" in policy.scoring(model)
-            seen.clear()
-            policy.score(model, tokens, P)
-            assert seen == [GROUPS * G]
-            monkeypatch.undo()
-            monkeypatch.setattr(model.config, "layer_types", ["sliding_attention", "full_attention"], raising=False)
-            assert "sliding-window" in prompts_once(model)
-            monkeypatch.undo()
-            assert prompts_once(model) is None
-    finally:
-        handle.remove()
+        name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"
+        monkeypatch.setattr(type(model), name, property(lambda self: True))
+        assert "checkpointing" in prompts_once(model) and "every row's prompt" in policy.scoring(model)
+        seen.clear()
+        policy.score(model, tokens, P)
+        assert seen == [GROUPS * G]
+        monkeypatch.undo()
+        monkeypatch.setattr(model.config, "layer_types", ["sliding_attention", "full_attention"], raising=False)
+        assert "sliding-window" in prompts_once(model)
+        monkeypatch.undo()
+        assert prompts_once(model) is None
 
 
 def test_a_cache_that_cannot_copy_rows_gets_the_one_call_forward(model, monkeypatch):
