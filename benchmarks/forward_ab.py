@@ -37,7 +37,7 @@ from torch.testing import assert_close
 
 from gradnorm.models import hf
 from gradnorm.trainer.policy import score_by_length
-from gradnorm.trainer.rollout import seeded_generator, sequence_uniforms
+from gradnorm.trainer.rollout import response_mask, seeded_generator, sequence_uniforms
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,9 +64,7 @@ def race_model_and_batches(rounds: int):
         prompts = prompts.repeat_interleave(GROUP, dim=0)
         uniforms = sequence_uniforms(range(len(prompts)), MAX_NEW, 0, "sample", step)
         tokens = hf.generate(model.eval(), prompts, MAX_NEW, eos, pad, uniforms=uniforms)
-        response = tokens[:, task.prompt_len:]
-        ended = (response == eos).int().cumsum(1)  # the response mask: up to and including EOS
-        lengths = ((ended == 0) | ((ended == 1) & (response == eos))).sum(1)
+        lengths = response_mask(tokens[:, task.prompt_len:], eos).sum(1)  # |o_i|, as the trainer counts them
         batches.append((tokens, task.prompt_len, lengths))
     return model.train(), f"tiny Qwen2, {PROMPTS_PER_STEP} prompts x {GROUP}, <= {MAX_NEW} new", batches
 
