@@ -27,9 +27,11 @@ Launches alternate between the configurations, round by round in rotated order, 
 neighbour slows them alike; the medians over rounds are reported with the load.
 
 Then the scoring A/B, paired in one run: on spawned gloo ranks, the default model and one rollout
-batch of the reuse + KL configuration (64 prompts x 8), each rank times ``step.score`` of the
-sampling policy and of the reference, for its share (``step.shares``, what the trainer does) and
-for the whole batch (what it did before), alternating, 20 rounds; at W = 1 the share is the whole.
+batch of the reuse + KL configuration (64 prompts x 8), each rank times scoring the sampling
+policy's and the reference's log-probs three ways, in rotated order, 20 rounds: the whole batch
+on every rank; each rank its training rows (``step.shares``); and what the trainer does
+(``step.score``), 1/W of the rows balanced by cost, then one all-to-all that gives each rank the
+rows it trains on. At W = 1 all three score the whole batch.
 """
 
 from __future__ import annotations
@@ -117,16 +119,17 @@ def measure(steps: int, rounds: int) -> dict:
             for name in CONFIGS}
 
 
-def scoring_worker(ctx, rounds: int) -> dict:
-    """On each rank: seconds to score the old and the reference log-probs, share against whole batch."""
+def scoring_worker(ctx, rounds: int, shard: str) -> dict:
+    """On each rank: seconds to score the old and the reference log-probs, each way of ``VARIANTS``."""
     import copy
 
+    from gradnorm.dist import comm
     from gradnorm.trainer import step as steps
     from gradnorm.trainer.config import parse_config
     from gradnorm.trainer.policy import build_policy
     from gradnorm.trainer.rollout import generate_rollout
 
-    cfg = parse_config([*CONFIGS["reuse + KL"], "--device", "cpu"], ctx.world_size)
+    cfg = parse_config([*CONFIGS["reuse + KL"], "--shard", shard, "--device", "cpu"], ctx.world_size)
     task, policy = build_policy(cfg, ctx.device)
     ref = copy.deepcopy(policy.model).eval()
     share = dict(rank=ctx.rank, world_size=ctx.world_size) if ctx.world_size > 1 else {}
@@ -134,29 +137,49 @@ def scoring_worker(ctx, rounds: int) -> dict:
         rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                    group_size=cfg.group_size, seed=0, step=1, temperature=1.0, **share)
     shares = steps.shares(rollout, cfg, ctx.world_size)
-    variants = {"share": shares, "whole": None}
+    modules = [policy.model, ref]
+
+    def own_rows():  # each rank its training rows, no exchange (the trainer before step.scoring_split)
+        return [steps.score_rows(policy, module, rollout, shares[ctx.rank]) for module in modules]
+
+    variants = {"balanced": lambda: steps.score(policy, modules, rollout, shares, ctx.rank), "own": own_rows,
+                "whole": lambda: steps.score(policy, modules, rollout)}
     times = {name: [] for name in variants}
     with torch.no_grad():
         for r in range(rounds + 1):
-            for name in (list(variants) if r % 2 else list(variants)[::-1]):
+            for name in (list(variants)[r % 3:] + list(variants)[: r % 3]):  # rotated: each goes first in turn
+                comm.barrier()  # the ranks start together, as they leave the rollout's all_gather
                 t0 = time.perf_counter()
-                for module in (policy.model, ref):
-                    steps.score(policy, module, rollout, variants[name], ctx.rank)
+                variants[name]()
                 if r:  # round 0 warms up
                     times[name].append(time.perf_counter() - t0)
-    return {"times": times, "rows": {"share": len(shares[ctx.rank]), "whole": len(rollout.rewards)}}
+    rows = {"balanced": len(steps.scoring_split(rollout.lengths, ctx.world_size)[ctx.rank]),
+            "own": len(shares[ctx.rank]), "whole": len(rollout.rewards)}
+    return {"times": times, "rows": rows}
 
 
 def scoring_ab(rounds: int) -> dict:
-    """{W: {variant: {median_s per rank (slowest rank's median), rows}}} for W = 1 and 2."""
+    """{cell: {variant: {median_s, rows}}} for W = 1 and, under each of ``AB_SHARDS``, W = 2: per
+    round the slowest rank's time (the phase ends when the last rank is done), the median over
+    rounds; ``rows`` the most any rank scored."""
     from gradnorm.dist.spawn import spawn_gloo
 
     found = {}
-    for world_size in (1, 2):
-        ranks = spawn_gloo(scoring_worker, world_size, rounds)
-        found[world_size] = {name: {"median_s": max(statistics.median(r["times"][name]) for r in ranks),
-                                    "rows": max(r["rows"][name] for r in ranks)} for name in ("share", "whole")}
+    for cell, (world_size, shard) in {"1": (1, "interleave"), **{f"2 {s}": (2, s) for s in AB_SHARDS}}.items():
+        ranks = spawn_gloo(scoring_worker, world_size, rounds, shard)
+        found[cell] = {name: {"median_s": statistics.median(map(max, zip(*(r["times"][name] for r in ranks)))),
+                              "rows": max(r["rows"][name] for r in ranks)} for name in VARIANTS}
     return found
+
+
+AB_SHARDS = ("interleave", "length")
+"""The trainer's default sharding, and ``--shard length`` (rank 0 trains on the shortest rows)."""
+
+
+VARIANTS = {"whole": "every rank, the whole batch",
+            "own": "each rank its training rows (`step.shares`), no exchange",
+            "balanced": "1/W of the rows balanced by cost (`step.scoring_split`), then one all-to-all: the trainer"}
+"""The scoring A/B's variants, in the order the table gives them."""
 
 
 def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
@@ -190,7 +213,7 @@ def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
     control = score[2]["scoring"]["max"] / score["twin"]["scoring"]["max"]
     neighbour = score["twin"]["scoring"]["max"] / score[1]["scoring"]["max"]
     ab = args.ab
-    one = ab[1]["whole"]["median_s"]
+    one = ab["1"]["whole"]["median_s"]
     lines += [
         "",
         f"In the trainer, scoring with reuse and KL (the sampling policy's and the reference's log-probs, once per "
@@ -200,15 +223,18 @@ def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
         f"takes {neighbour:.2f}x as long beside a twin as alone. Against it, W = 2 takes {control:.2f}x: the "
         f"share's work, half the rows, less its fixed costs.",
         "",
-        f"## Scoring A/B: a rank's share against the whole batch ({args.ab_rounds} alternating rounds, one run)",
+        f"## Scoring A/B: what each rank scores ({args.ab_rounds} rotated rounds, one run)",
         "",
-        "| W | scored rows | per rank, slowest (ms) | ratio to W=1 |",
-        "|---|---|---|---|",
-        f"| 1 | the whole batch ({ab[1]['whole']['rows']}) | {1e3 * one:.1f} | 1.00x |",
-        f"| 2 | the whole batch on every rank ({ab[2]['whole']['rows']}, before) | {1e3 * ab[2]['whole']['median_s']:.1f} "
-        f"| {ab[2]['whole']['median_s'] / one:.2f}x |",
-        f"| 2 | its share (`step.shares`, {ab[2]['share']['rows']}, now) | {1e3 * ab[2]['share']['median_s']:.1f} "
-        f"| {ab[2]['share']['median_s'] / one:.2f}x |",
+        "Per round the slowest rank's time, the ranks starting together; the median over rounds. At W = 1 "
+        f"every way scores the whole batch ({ab['1']['whole']['rows']} rows); at W = 2 under the default "
+        "sharding and under `--shard length`, where rank 0 trains on the shortest rows.",
+        "",
+        "| W = 2: what each rank scores | rows per rank | interleave (ms) | / W=1 | length (ms) | / W=1 |",
+        "|---|---|---|---|---|---|",
+        f"| W = 1: the whole batch | {ab['1']['whole']['rows']} | {1e3 * one:.1f} | 1.00x | | |",
+        *(f"| {words} | {ab['2 interleave'][name]['rows']} | "
+          + " | ".join(f"{1e3 * ab[f'2 {s}'][name]['median_s']:.1f} | {ab[f'2 {s}'][name]['median_s'] / one:.2f}x"
+                       for s in AB_SHARDS) + " |" for name, words in VARIANTS.items()),
         "",
     ]
     return "\n".join(lines)

@@ -74,7 +74,8 @@ Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
  6. One optimizer step per rollout by default: fully on-policy, the importance ratio is exactly 1
     and the clip never fires. --minibatches-per-rollout and --epochs give PPO-style reuse (GRPO's
     mu iterations); old log-probs are then computed once per rollout, before any update, and each
-    rank scores only the rows it will train on (``step.shares``), as it does the reference's.
+    rank scores 1/W of the rows, balanced by cost, then sends every row's log-probs to the rank
+    that trains on it (``step.score``), as it does the reference's.
  7. Constant learning rate, no schedule; groups whose rewards are all equal simply get zero
     advantage (no dynamic sampling as in DAPO).
 """
@@ -160,12 +161,13 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
                                            group_size=cfg.group_size, seed=cfg.seed, step=step - j,
                                            temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
             timer.lap("rollout")
-            # log-probs of the sampling policy (needed once samples are reused) and of the reference,
-            # for the rows this rank trains on only: 1/W of the batch (FSDP2 ranks call in lockstep)
+            # log-probs of the sampling policy (needed once samples are reused) and of the reference:
+            # each rank scores 1/W of the batch, then one all-to-all gives it those of the rows it
+            # trains on (FSDP2 ranks call in lockstep)
             shares = steps.shares(rollout, cfg, ctx.world_size)
             with torch.no_grad(), autocast():
-                old_logp = steps.score(policy, model, rollout, shares, ctx.rank, cfg.pack) if U > 1 else None
-                ref_logp = steps.score(policy, ref, rollout, shares, ctx.rank, cfg.pack) if ref is not None else None
+                old_logp, ref_logp = steps.score(policy, [model if U > 1 else None, ref], rollout, shares, ctx.rank,
+                                                 cfg.pack)
             timer.lap("scoring")
         k = j % cfg.minibatches_per_rollout  # which minibatch of the rollout batch this step trains on
         rows = slice(k * cfg.sequences_per_step, (k + 1) * cfg.sequences_per_step)

@@ -1,13 +1,16 @@
-"""Each rank scores only the rows it trains on, and FSDP2 ranks call the model in lockstep.
+"""Each rank scores 1/W of the batch, every rank gets the rows it trains on, and FSDP2 ranks call the model in lockstep.
 
 With rollout reuse (``--minibatches-per-rollout`` > 1) or ``--beta`` > 0 the trainer needs the
-sampling policy's and the reference's log-probs. ``step.shares`` says which rows of the rollout
-batch each rank trains on over all its updates, and ``step.score`` scores only those:
+sampling policy's and the reference's log-probs, on each rank for the rows it trains on
+(``step.shares``). ``step.score`` computes them:
 
 - the shares partition the batch, and rank r's share of minibatch k is exactly its rows of the
   plan that step k makes (so every row a rank trains on has its log-probs);
-- scoring a share gives the whole-batch scores on those rows (zero elsewhere), and the model sees
-  only the share's rows: about S / W, where the control (no shares) sees all S.
+- each rank scores the rows ``step.scoring_split`` deals it: every row once, S / W per rank, the
+  same cost on every rank (the shares need not balance: under ``--shard length`` rank 0 trains on
+  the shortest rows, the control);
+- one all-to-all (``step.route``) gives every rank the whole-batch scores on its share, zero
+  elsewhere. The control: routing by the wrong shares gives other numbers.
 
 FSDP2 turns every forward into a collective (each block's parameters are gathered), so ranks
 whose rows split into different numbers of length chunks (``policy.length_chunks``) would pair
@@ -20,7 +23,9 @@ unwrapped model, which they could not if the calls were not in lockstep.
 import contextlib
 import copy
 
+import pytest
 import torch
+from torch import Tensor
 from torch.testing import assert_close
 
 from gradnorm.core.denominators import mask_from_lengths
@@ -81,23 +86,30 @@ def test_the_shares_partition_the_batch_by_the_plan_of_each_minibatch():
                 assert in_k.tolist() == sorted(planned.tolist()), (world_size, k, r)
 
 
-def test_scoring_a_share_gives_the_whole_batch_scores_on_it_and_runs_only_its_rows():
-    batch, m = rollout(), model()
-    whole_policy = CountingPolicy(m)
-    with torch.no_grad():
-        whole = steps.score(whole_policy, m, batch)  # the control: every row, as before
-    assert whole_policy.rows == len(batch.rewards)
-    shares = steps.shares(batch, CFG, 2)
-    for r, share in enumerate(shares):
-        policy = CountingPolicy(m)
-        with torch.no_grad():
-            got = steps.score(policy, m, batch, shares, r)
-        assert policy.rows == len(share) < 0.6 * len(batch.rewards)  # its share, not the batch
-        others = torch.ones(len(batch.rewards), dtype=torch.bool)
-        others[share] = False
-        assert (got[others] == 0).all() and (got[~others] != 0).any()
-        mask = batch.mask[share]
-        assert_close(got[share][mask], whole[share][mask], rtol=1e-5, atol=1e-6)
+def cost(batch: Rollout, rows: Tensor) -> int:
+    """The positions scoring ``rows`` computes, prompts included, padding not: what the split balances."""
+    return int((batch.lengths[rows] + P).sum())
+
+
+def test_the_scoring_split_deals_every_row_once_at_the_same_cost_on_every_rank():
+    batch = rollout()
+    S = len(batch.rewards)
+    for world_size in (1, 2, 4):
+        split = steps.scoring_split(batch.lengths, world_size)
+        assert sorted(torch.cat(split).tolist()) == list(range(S))  # each row once
+        assert {len(rows) for rows in split} == {S // world_size}
+        costs = [cost(batch, rows) for rows in split]
+        assert max(costs) - min(costs) <= int(batch.lengths.max()), (world_size, costs)  # within one row
+    # the control: the rows each rank trains on under --shard length are far from balanced
+    shares = [cost(batch, rows) for rows in steps.shares(batch, CFG, 2)]
+    assert max(shares) > 2 * min(shares), shares
+
+
+def test_sending_rows_to_other_ranks_without_their_process_group_is_an_error():
+    logp = torch.zeros(3, R)
+    assert comm.all_to_all_rows(logp, [3], [3]) is logp  # one rank: the identity
+    with pytest.raises(RuntimeError, match="2 ranks needs their process group"):
+        comm.all_to_all_rows(logp, [1, 2], [1, 2])
 
 
 def test_the_batch_makes_the_ranks_chunk_differently():
@@ -109,6 +121,12 @@ def test_the_batch_makes_the_ranks_chunk_differently():
     plan = steps.plan_for(steps.Minibatch(minibatch, None, None, ""), CFG, 2)
     assert len({len(length_chunks(minibatch.lengths[rank[0]], P)) for rank in plan}) == 2
     assert steps.pass_calls(plan, minibatch.lengths, P, packed=False) == [2]
+    assert len(set(scoring_chunks(batch))) == 2  # scoring's own rows too
+
+
+def scoring_chunks(batch: Rollout) -> list[int]:
+    """How many forward calls each of 2 ranks' scoring rows (``step.scoring_split``) take on their own."""
+    return [len(length_chunks(batch.lengths[rows], P)) for rows in steps.scoring_split(batch.lengths, 2)]
 
 
 def lockstep_worker(ctx: comm.DistContext) -> dict:
@@ -118,14 +136,26 @@ def lockstep_worker(ctx: comm.DistContext) -> dict:
     out = {}
     with torch.no_grad():
         plain = model()
-        out["plain_scores"] = steps.score(TinyGPTPolicy(plain), plain, batch, shares, ctx.rank)
+        counting = CountingPolicy(plain)
+        other = copy.deepcopy(plain)  # a second module (a reference the policy has left)
+        torch.nn.init.normal_(other.lm_head.weight)
+        out["plain_scores"], out["other_scores"] = steps.score(counting, [plain, other], batch, shares, ctx.rank)
+        out["plain_rows"] = counting.rows
+        # every row here, one module at a time: the reference
+        out["whole"], none = steps.score(TinyGPTPolicy(plain), [plain, None], batch)
+        out["other_whole"], = steps.score(TinyGPTPolicy(other), [other], batch)
+        assert none is None
+        # the control: the right rows scored, sent by the wrong shares (each rank's to the other)
+        split = steps.scoring_split(batch.lengths, ctx.world_size)
+        out["crossed"] = steps.route(steps.score_rows(TinyGPTPolicy(plain), plain, batch, split[ctx.rank]),
+                                     split, shares[::-1], ctx.rank)
     minibatch = steps.Minibatch(batch.groups(0, CFG.prompts_per_step), None, None, "")
     for parallel in ("ddp", "fsdp"):
         m = model()
         policy = CountingPolicy(m)
         dp_model = wrap_for_training(policy, parallel, ctx)
         with torch.no_grad():
-            out[f"{parallel}_scores"] = steps.score(policy, m, batch, shares, ctx.rank)
+            out[f"{parallel}_scores"], = steps.score(policy, [m], batch, shares, ctx.rank)
         out[f"{parallel}_scoring_calls"] = policy.calls
         minibatch.old_logp = out["plain_scores"][: CFG.sequences_per_step]
         minibatch.ref_logp = minibatch.old_logp - 0.1  # a reference the policy has left: KL is not 0
@@ -136,10 +166,32 @@ def lockstep_worker(ctx: comm.DistContext) -> dict:
     return out
 
 
-def test_fsdp2_ranks_score_and_train_in_lockstep_and_match_ddp():
-    results = spawn_gloo(lockstep_worker, 2)
-    assert results[0]["fsdp_scoring_calls"] == results[1]["fsdp_scoring_calls"] == 2  # padded to the most
-    assert {r["ddp_scoring_calls"] for r in results} == {1, 2}  # DDP needs no lockstep: its own chunks
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return spawn_gloo(lockstep_worker, 2)
+
+
+def test_every_rank_gets_the_whole_batch_scores_of_its_share_and_scores_half_the_rows(two_ranks):
+    batch = rollout()
+    S, shares = len(batch.rewards), steps.shares(batch, CFG, 2)
+    for rank, (r, share) in enumerate(zip(two_ranks, shares)):
+        assert r["plain_rows"] == 2 * S // 2  # its half of the batch for each of two modules, not all S
+        others = torch.ones(S, dtype=torch.bool)
+        others[share] = False
+        assert (r["plain_scores"][others] == 0).all()
+        mask = batch.mask[share]  # outside it a chunk's scores are 0, a full-width forward's are not
+        assert_close(r["plain_scores"][share][mask], r["whole"][share][mask], rtol=1e-5, atol=1e-6)
+        assert_close(r["other_scores"][share][mask], r["other_whole"][share][mask], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(r["other_whole"][batch.mask], r["whole"][batch.mask], rtol=1e-3, atol=1e-3)  # two modules
+        # the control: sent by the wrong shares, the rows this rank trains on get other numbers
+        assert not torch.allclose(r["crossed"][share][mask], r["whole"][share][mask], rtol=1e-3, atol=1e-3)
+
+
+def test_fsdp2_ranks_score_and_train_in_lockstep_and_match_ddp(two_ranks):
+    results = two_ranks
+    natural = scoring_chunks(rollout())  # the calls each rank's rows take alone: they differ
+    assert results[0]["fsdp_scoring_calls"] == results[1]["fsdp_scoring_calls"] == max(natural)  # the most
+    assert [r["ddp_scoring_calls"] for r in results] == natural  # DDP needs no lockstep: its own chunks
     mask = rollout().mask  # outside it a chunk's scores are 0, a full-width forward's are not
     for r in results:
         assert_close(r["fsdp_scores"][mask], r["plain_scores"][mask], rtol=1e-5, atol=1e-6)

@@ -2,8 +2,9 @@
 
 It sets up the process group (NCCL on CUDA, gloo on CPU, chosen automatically), performs the one
 all-reduce of counts per minibatch, reduces logging statistics (sums; the max of phase times),
-gathers the sharded rollouts, and prints on rank 0. Every function also works in a plain single
-process with no process group, where a reduction or a gather is the identity.
+gathers the sharded rollouts, sends scored log-probs to the ranks that train on them, and prints
+on rank 0. Every function also works in a plain single process with no process group, where a
+reduction or a gather is the identity.
 """
 
 from __future__ import annotations
@@ -155,6 +156,23 @@ def all_gather(tensor: Tensor) -> Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return torch.stack(parts)
+
+
+def all_to_all_rows(rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
+    """Rows to the ranks that need them, in one all-to-all.
+
+    ``rows`` (n, ...) go out in rank order: the first ``send_counts[0]`` to rank 0, the next
+    ``send_counts[1]`` to rank 1, and so on; the result holds the rows every rank sent here, rank
+    0's first (``recv_counts[p]`` from rank p). The identity without a process group. Used once
+    per scored rollout batch, to give every rank the log-probs of its rows (``step.route``).
+    """
+    if not _active():
+        if len(send_counts) != 1:
+            raise RuntimeError(f"sending rows to {len(send_counts)} ranks needs their process group")
+        return rows
+    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts)
+    return out
 
 
 def all_true(flag: bool) -> bool:
