@@ -35,7 +35,7 @@ from gradnorm.trainer.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
 from gradnorm.train import main
 from gradnorm.teach.launch import torchrun_command
-from runfiles import comparable, metrics  # tests/runfiles.py
+from runfiles import comparable, launch_all, metrics  # tests/runfiles.py
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -263,16 +263,8 @@ def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
     return torchrun_command(nproc, *TINY, "--output-dir", str(out), *flags)
 
 
-def torchrun(nproc: int, out: Path, *flags: str) -> None:
-    cmd = torchrun_cmd(nproc, out, *flags)
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-
-
-def single(out: Path, *flags: str) -> None:
-    cmd = [sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+def single_cmd(out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
 
 
 CRASH_FLAGS = ["--steps", "120", "--save-every", "20", "--timeout-s", "10"]
@@ -308,8 +300,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_ru
     assert_finite_weights(latest)  # loads through the safe readers
     assert len(metrics(crashed)) < 120
 
-    torchrun(2, crashed, *CRASH_FLAGS, "--resume")
-    torchrun(2, full, *CRASH_FLAGS)
+    launch_all([torchrun_cmd(2, crashed, *CRASH_FLAGS, "--resume"), torchrun_cmd(2, full, *CRASH_FLAGS)], ROOT, ENV)
     assert [m["step"] for m in comparable(crashed)] == list(range(1, 121))
     assert comparable(crashed) == comparable(full)
 
@@ -334,18 +325,14 @@ def assert_same_steps(resumed: Path, reference: Path, steps=(3, 4)) -> None:
 def test_a_token_run_resumes_on_another_world_size(tmp_path):
     flags = ["--steps", "4", "--save-every", "2", "--loss-denominator", "token"]
     two, one = tmp_path / "two", tmp_path / "one"
-    torchrun(2, two, *flags)
-    single(one, *flags)
-    # 2 -> 1: the 2-rank run's step-2 checkpoint, continued by one plain process.
-    two_to_one = tmp_path / "two_to_one"
-    shutil.copytree(two, two_to_one)
-    shutil.rmtree(two_to_one / "ckpt_step4")
-    single(two_to_one, *flags, "--resume")
-    assert_same_steps(two_to_one, two)
+    launch_all([torchrun_cmd(2, two, *flags), single_cmd(one, *flags)], ROOT, ENV)
+    # 2 -> 1: the 2-rank run's step-2 checkpoint, continued by one plain process; and
     # 1 -> 2: the single process's step-2 checkpoint, continued on 2 ranks.
-    one_to_two = tmp_path / "one_to_two"
-    shutil.copytree(one, one_to_two)
-    shutil.rmtree(one_to_two / "ckpt_step4")
-    torchrun(2, one_to_two, *flags, "--resume")
+    two_to_one, one_to_two = tmp_path / "two_to_one", tmp_path / "one_to_two"
+    for source, copy in ((two, two_to_one), (one, one_to_two)):
+        shutil.copytree(source, copy)
+        shutil.rmtree(copy / "ckpt_step4")
+    launch_all([single_cmd(two_to_one, *flags, "--resume"), torchrun_cmd(2, one_to_two, *flags, "--resume")], ROOT, ENV)
+    assert_same_steps(two_to_one, two)
     assert_same_steps(one_to_two, one)
     assert [len(m["tokens_per_rank"]) for m in metrics(one_to_two)] == [1, 1, 2, 2]
