@@ -31,7 +31,8 @@ batch of the reuse + KL configuration (64 prompts x 8), each rank times scoring 
 policy's and the reference's log-probs three ways, in rotated order, 20 rounds: the whole batch
 on every rank; each rank its training rows (``step.shares``); and what the trainer does
 (``step.score``), 1/W of the rows balanced by cost, then one all-to-all that gives each rank the
-rows it trains on. At W = 1 all three score the whole batch.
+rows it trains on. At W = 1 all three score the whole batch. Each is timed in wall time and in the
+scoring thread's CPU time, which leaves out the time a rank waits for its peer.
 """
 
 from __future__ import annotations
@@ -144,30 +145,33 @@ def scoring_worker(ctx, rounds: int, shard: str) -> dict:
 
     variants = {"balanced": lambda: steps.score(policy, modules, rollout, shares, ctx.rank), "own": own_rows,
                 "whole": lambda: steps.score(policy, modules, rollout)}
-    times = {name: [] for name in variants}
+    times, cpu = {name: [] for name in variants}, {name: [] for name in variants}
     with torch.no_grad():
         for r in range(rounds + 1):
             for name in (list(variants)[r % 3:] + list(variants)[: r % 3]):  # rotated: each goes first in turn
                 comm.barrier()  # the ranks start together, as they leave the rollout's all_gather
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 variants[name]()
                 if r:  # round 0 warms up
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.thread_time() - c0)  # this rank's own work, without waiting
     rows = {"balanced": len(steps.scoring_split(rollout.lengths, ctx.world_size)[ctx.rank]),
             "own": len(shares[ctx.rank]), "whole": len(rollout.rewards)}
-    return {"times": times, "rows": rows}
+    return {"times": times, "cpu": cpu, "rows": rows}
 
 
 def scoring_ab(rounds: int) -> dict:
-    """{cell: {variant: {median_s, rows}}} for W = 1 and, under each of ``AB_SHARDS``, W = 2: per
-    round the slowest rank's time (the phase ends when the last rank is done), the median over
-    rounds; ``rows`` the most any rank scored."""
+    """{cell: {variant: {median_s, cpu_s, rows}}} for W = 1 and, under each of ``AB_SHARDS``, W = 2:
+    per round the slowest rank's time (the phase ends when the last rank is done), the median over
+    rounds; ``cpu_s`` the same of the ranks' CPU time (the scoring thread's: its own work, without
+    the time it waits for its peer); ``rows`` the most any rank scored."""
     from gradnorm.dist.spawn import spawn_gloo
 
     found = {}
     for cell, (world_size, shard) in {"1": (1, "interleave"), **{f"2 {s}": (2, s) for s in AB_SHARDS}}.items():
         ranks = spawn_gloo(scoring_worker, world_size, rounds, shard)
         found[cell] = {name: {"median_s": statistics.median(map(max, zip(*(r["times"][name] for r in ranks)))),
+                              "cpu_s": statistics.median(map(max, zip(*(r["cpu"][name] for r in ranks)))),
                               "rows": max(r["rows"][name] for r in ranks)} for name in VARIANTS}
     return found
 
@@ -213,7 +217,7 @@ def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
     control = score[2]["scoring"]["max"] / score["twin"]["scoring"]["max"]
     neighbour = score["twin"]["scoring"]["max"] / score[1]["scoring"]["max"]
     ab = args.ab
-    one = ab["1"]["whole"]["median_s"]
+    one, one_cpu = ab["1"]["whole"]["median_s"], ab["1"]["whole"]["cpu_s"]
     lines += [
         "",
         f"In the trainer, scoring with reuse and KL (the sampling policy's and the reference's log-probs, once per "
@@ -227,13 +231,17 @@ def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
         "",
         "Per round the slowest rank's time, the ranks starting together; the median over rounds. At W = 1 "
         f"every way scores the whole batch ({ab['1']['whole']['rows']} rows); at W = 2 under the default "
-        "sharding and under `--shard length`, where rank 0 trains on the shortest rows.",
+        "sharding and under `--shard length`, where rank 0 trains on the shortest rows. `CPU` is the same "
+        "statistic of the scoring thread's CPU time: a rank's own work, without the time it waits for its peer.",
         "",
-        "| W = 2: what each rank scores | rows per rank | interleave (ms) | / W=1 | length (ms) | / W=1 |",
-        "|---|---|---|---|---|---|",
-        f"| W = 1: the whole batch | {ab['1']['whole']['rows']} | {1e3 * one:.1f} | 1.00x | | |",
-        *(f"| {words} | {ab['2 interleave'][name]['rows']} | "
-          + " | ".join(f"{1e3 * ab[f'2 {s}'][name]['median_s']:.1f} | {ab[f'2 {s}'][name]['median_s'] / one:.2f}x"
+        "| what each rank scores | rows per rank | interleave (ms) | / W=1 | CPU (ms) | / W=1 "
+        "| length (ms) | / W=1 | CPU (ms) | / W=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| W = 1: the whole batch | {ab['1']['whole']['rows']} | {1e3 * one:.1f} | 1.00x "
+        f"| {1e3 * one_cpu:.1f} | 1.00x | | | | |",
+        *(f"| W = 2: {words} | {ab['2 interleave'][name]['rows']} | "
+          + " | ".join(f"{1e3 * ab[f'2 {s}'][name]['median_s']:.1f} | {ab[f'2 {s}'][name]['median_s'] / one:.2f}x | "
+                       f"{1e3 * ab[f'2 {s}'][name]['cpu_s']:.1f} | {ab[f'2 {s}'][name]['cpu_s'] / one_cpu:.2f}x"
                        for s in AB_SHARDS) + " |" for name, words in VARIANTS.items()),
         "",
     ]
