@@ -173,7 +173,7 @@ def route(scored: Tensor, split: list[Tensor], shares: list[Tensor], rank: int) 
         owner[share.cpu()] = q
     sent_to = owner[split[rank].cpu()]  # (n,)
     order = torch.argsort(sent_to, stable=True).to(scored.device)  # grouped by destination, rows ascending
-    from_each = [split[p].cpu()[owner[split[p].cpu()] == rank] for p in range(W)]  # the rows each rank sends here
+    from_each = [split[p].cpu()[owner[split[p].cpu()] == rank] for p in range(W)]  # what each rank sends here: O(S)
     received = comm.all_to_all_rows(scored[order], torch.bincount(sent_to, minlength=W).tolist(),
                                     [len(rows) for rows in from_each])
     return scored.new_zeros(S, *scored.shape[1:]).index_put((torch.cat(from_each).to(scored.device),), received)
@@ -205,11 +205,12 @@ def score(policy: Policy, modules: list[nn.Module | None], rollout: Rollout, sha
     for module in needed:
         lockstep = split is not None and wrap.is_fsdp(module) and not packed
         calls = lockstep_calls(split, rollout.lengths, rollout.prompt_len) if lockstep else None
-        scored.append(score_rows(policy, module, rollout, rows, calls, packed)[: len(rows)])  # (n, R); a throwaway row dropped
-    both = torch.stack(scored, dim=1)  # (n, M, R)
+        logp = score_rows(policy, module, rollout, rows, calls, packed)  # (n, R), or a throwaway row's (1, R)
+        scored.append(logp[: len(rows)])
+    stacked = torch.stack(scored, dim=1)  # (n, M, R): the modules' scores travel together
     if split is not None:
-        both = route(both, split, shares, rank)  # (S, M, R)
-    out = iter(both.unbind(1))
+        stacked = route(stacked, split, shares, rank)  # (S, M, R)
+    out = iter(stacked.unbind(1))
     return [None if m is None else next(out) for m in modules]
 
 
