@@ -224,8 +224,12 @@ def render(found: dict, args, load: tuple[float, float], seconds: float) -> str:
         f"rollout) takes the slowest rank {ratio:.2f}x at W = 2 of what one rank takes at W = 1. "
         f"The control, two W = 1 runs at once (`W=1 beside a twin`: each alone in its process group, sharing "
         f"the 2 cores as two ranks do), says what sharing the machine costs by itself: one rank's scoring "
-        f"takes {neighbour:.2f}x as long beside a twin as alone. Against it, W = 2 takes {control:.2f}x: the "
-        f"share's work, half the rows, less its fixed costs.",
+        f"takes {neighbour:.2f}x as long beside a twin as alone. Against it, W = 2 takes {control:.2f}x. "
+        f"Each W = 2 rank scores half the rows; the A/B below measures what the same work costs when both ranks "
+        f"run at once (`every rank, the whole batch`: "
+        f"{ab['2 interleave']['whole']['median_s'] / ab['1']['whole']['median_s']:.2f}x of one rank alone, "
+        f"{ab['2 interleave']['whole']['cpu_s'] / ab['1']['whole']['cpu_s']:.2f}x in CPU time), the floor "
+        f"that halved work starts from on this machine.",
         "",
         f"## Scoring A/B: what each rank scores ({args.ab_rounds} rotated rounds, one run)",
         "",
