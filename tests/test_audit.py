@@ -23,12 +23,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.audit import probe as audit, conventions
+from gradnorm.audit import conventions, decide, measurement, synthetic
 from gradnorm.audit.cli import main
 from gradnorm.core.grpo import grpo_token_losses
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH = audit.synthetic_minibatch(48, group_size=6, max_new_tokens=40, seed=1)
+BATCH = synthetic.synthetic_minibatch(48, group_size=6, max_new_tokens=40, seed=1)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -90,7 +90,7 @@ LOSS_OF_MODE = {
 def test_reads_the_exact_weights_of_every_mode_under_random_ragged_plans(mode):
     for seed, (world_size, accum_steps) in enumerate([(3, 2), (2, 4), (4, 1)]):
         plan = random_plan(len(BATCH.mask), world_size, accum_steps, seed)
-        read = audit.measure(LOSS_OF_MODE[mode], BATCH, plan).weights
+        read = measurement.measure(LOSS_OF_MODE[mode], BATCH, plan).weights
         expected = oracle(mode, BATCH.mask, BATCH.group_ids, plan, conventions.DR_GRPO_CONSTANT)
         assert_close(read, expected, rtol=1e-12, atol=0)
         # The control: on a ragged plan every other mode's oracle is far off.
@@ -103,10 +103,10 @@ def test_the_audit_classifies_under_random_plans_and_checks_each_against_gradnor
     plans = {"reference": [[torch.arange(48)]]}
     plans |= {f"random {k}": random_plan(48, 2, 3, 10 + k) for k in range(3)}
     for mode, loss in LOSS_OF_MODE.items():
-        report = audit.audit_plans(loss, BATCH, plans)
+        report = decide.audit_plans(loss, BATCH, plans)
         assert report.equals == mode and report.distance[mode] < 1e-12
         assert report.invariant == (mode != "local")
-    assert audit.audit_plans(LOSS_OF_MODE["constant"], BATCH, plans).constant == pytest.approx(4096, rel=1e-12)
+    assert decide.audit_plans(LOSS_OF_MODE["constant"], BATCH, plans).constant == pytest.approx(4096, rel=1e-12)
 
 
 def masked_mean(logp, old_logp, advantages, mask):  # the loop divides by A, as most loops do
@@ -121,16 +121,16 @@ def sum_over_count(logp, old_logp, advantages, mask, *, num_tokens):  # no W: gr
 def test_the_outer_loop_is_part_of_the_weight():
     plan = random_plan(len(BATCH.mask), 3, 2, seed=7)
     local, token = (oracle(m, BATCH.mask, BATCH.group_ids, plan) for m in ("local", "token"))
-    by_accum, summed = audit.Convention(scale_by_accum=True), audit.Convention(reduction="sum")
-    assert_close(audit.measure(masked_mean, BATCH, plan, by_accum).weights, local, rtol=1e-12, atol=0)
-    assert_close(audit.measure(sum_over_count, BATCH, plan, summed).weights, token, rtol=1e-12, atol=0)
+    by_accum, summed = measurement.Convention(scale_by_accum=True), measurement.Convention(reduction="sum")
+    assert_close(measurement.measure(masked_mean, BATCH, plan, by_accum).weights, local, rtol=1e-12, atol=0)
+    assert_close(measurement.measure(sum_over_count, BATCH, plan, summed).weights, token, rtol=1e-12, atol=0)
     # The controls: the same code under the other loop is off by A = 2 and by W = 3.
-    assert_close(audit.measure(masked_mean, BATCH, plan).weights, 2 * local, rtol=1e-12, atol=0)
-    assert_close(audit.measure(sum_over_count, BATCH, plan).weights, token / 3, rtol=1e-12, atol=0)
+    assert_close(measurement.measure(masked_mean, BATCH, plan).weights, 2 * local, rtol=1e-12, atol=0)
+    assert_close(measurement.measure(sum_over_count, BATCH, plan).weights, token / 3, rtol=1e-12, atol=0)
 
 
 def test_the_per_microbatch_mean_is_skewed_and_named_local():
-    report = audit.audit(conventions.microbatch_token_mean, (4,), (2,))
+    report = decide.audit(conventions.microbatch_token_mean, (4,), (2,))
     assert not report.invariant and report.exit_code == 1
     assert report.equals == "local" and report.matches == ["local"]
     assert report.change > 1  # some token's weight more than doubles against one process
@@ -144,7 +144,7 @@ def twice_the_fix(logp, old_logp, advantages, mask, *, num_tokens, world_size):
 
 
 def test_control_a_wrong_weight_2_over_n_is_not_token():
-    report = audit.audit(twice_the_fix, (2,), (2,))
+    report = decide.audit(twice_the_fix, (2,), (2,))
     assert report.invariant and "token" not in report.matches
     assert report.distance["token"] == pytest.approx(1.0)
     assert report.equals == "constant" and report.constant == pytest.approx(int(report.batch.mask.sum()) / 2)
@@ -162,10 +162,10 @@ def grpo_k1_loss(logp, old_logp, advantages, mask, *, ref_logp, num_tokens, worl
 
 
 def test_kl_k3_and_clip_higher_on_policy_are_read_exactly():
-    report = audit.audit(grpo_kl_loss, (2, 4), (1, 2))
+    report = decide.audit(grpo_kl_loss, (2, 4), (1, 2))
     assert report.equals == "token" and report.invariant and report.residual < 1e-12
     # k1's gradient (beta per token) does not vanish on policy; the two signs of A separate it out.
-    k1 = audit.audit(grpo_k1_loss, (2,), (2,))
+    k1 = decide.audit(grpo_k1_loss, (2,), (2,))
     assert k1.equals == "token" and k1.residual > 0.01
     res = k1.results[-1]
     naive = res.weights - res.residual / k1.batch.advantages.unsqueeze(-1)  # -g(+A) / A alone
@@ -179,20 +179,20 @@ def ignores_the_mask(logp, old_logp, advantages, mask, *, num_tokens, world_size
 
 
 def test_a_loss_that_reads_padding_leaks_and_equals_no_mode():
-    report = audit.audit(ignores_the_mask, (2,), (2,))
+    report = decide.audit(ignores_the_mask, (2,), (2,))
     assert report.leak > 0.5 and report.leaks and report.exit_code == 1
     assert report.equals is None and report.invariant  # invariant weights, but on the wrong tokens
-    assert audit.audit(conventions.token_sum_over_global_count, (2,), (2,)).leak == 0  # the control
+    assert decide.audit(conventions.token_sum_over_global_count, (2,), (2,)).leak == 0  # the control
 
 
 def test_the_synthetic_minibatch_is_ragged_signed_and_seeded():
-    b = audit.synthetic_minibatch(64, group_size=8, max_new_tokens=64, seed=0)
+    b = synthetic.synthetic_minibatch(64, group_size=8, max_new_tokens=64, seed=0)
     lengths = b.mask.sum(-1)
     assert lengths.min() >= 1 and lengths.max() / lengths.min() >= 16
     grouped = b.advantages.reshape(-1, 8)
     assert (b.advantages.abs() >= 0.1).all() and ((grouped > 0).any(1) & (grouped < 0).any(1)).all()
-    assert torch.equal(b.logp, audit.synthetic_minibatch(64, 8, 64, 0).logp)
-    assert audit.minibatch_size([32], 8) == 64 and audit.minibatch_size([4, 6], 5) == 60
+    assert torch.equal(b.logp, synthetic.synthetic_minibatch(64, 8, 64, 0).logp)
+    assert synthetic.minibatch_size([32], 8) == 64 and synthetic.minibatch_size([4, 6], 5) == 60
 
 
 CATALOGUE_ARGS = ["--world-size", "8", "--accum-steps", "4"]
@@ -351,7 +351,7 @@ def test_the_picture_shows_the_weights_it_was_given(tmp_path):
 
     from gradnorm.audit import plot as auditplot
 
-    report = audit.audit(conventions.microbatch_token_mean, (2,), (2,), ("length",))
+    report = decide.audit(conventions.microbatch_token_mean, (2,), (2,), ("length",))
     res = report.results[-1]
     fig = Figure()
     ax_map, ax_share = fig.subplots(1, 2)

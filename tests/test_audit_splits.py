@@ -22,13 +22,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.audit import conventions, masking, probe as audit, splits
+from gradnorm.audit import conventions, decide, masking, measurement, splits, synthetic
 from gradnorm.audit.cli import main
 from audit_command import run, verdict_of  # tests/audit_command.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-BATCH = audit.synthetic_minibatch(48, group_size=6, max_new_tokens=40, seed=1)
+BATCH = synthetic.synthetic_minibatch(48, group_size=6, max_new_tokens=40, seed=1)
 S, T = BATCH.mask.shape
 LENGTHS = [int(n) for n in BATCH.mask.sum(-1)]
 N = sum(LENGTHS)
@@ -85,10 +85,11 @@ def test_token_budget_weights_are_read_per_rank_count():
                     old[i, t] = 1 / (world_size * len(rank) * local_tokens)
                     fix[i, t] = 1 / N
                     by_accum[i, t] = 1 / (len(rank) * N)
-    assert_close(audit.measure(conventions.microbatch_token_mean, BATCH, layout).weights, old, rtol=1e-12, atol=0)
-    assert_close(audit.measure(conventions.token_sum_over_global_count, BATCH, layout).weights, fix,
+    assert_close(measurement.measure(conventions.microbatch_token_mean, BATCH, layout).weights, old,
                  rtol=1e-12, atol=0)
-    read = audit.measure(fix_divided_by_accum, BATCH, layout).weights
+    assert_close(measurement.measure(conventions.token_sum_over_global_count, BATCH, layout).weights, fix,
+                 rtol=1e-12, atol=0)
+    read = measurement.measure(fix_divided_by_accum, BATCH, layout).weights
     assert_close(read, by_accum, rtol=1e-12, atol=0)
     assert (read - fix / max(counts)).abs().max() > 0.1 / N  # the control: no one factor covers every rank
 
@@ -133,9 +134,9 @@ def test_packed_rows_per_row_and_per_sequence_means(world_size, accum_steps):
                         row_mean[i, t] = 1 / (S * row_tokens)
                         per_sequence[i, t] = 1 / (S * LENGTHS[i])
     assert any(len(row) > 1 for rank in plan for mb in rank for row in packed_rows_longhand(mb.tolist(), row_length))
-    read = audit.measure(conventions.row_mean_over_packs, BATCH, layout).weights
+    read = measurement.measure(conventions.row_mean_over_packs, BATCH, layout).weights
     assert_close(read, row_mean, rtol=1e-12, atol=0)
-    assert_close(audit.measure(conventions.sequence_mean_inside_packs, BATCH, layout).weights, per_sequence,
+    assert_close(measurement.measure(conventions.sequence_mean_inside_packs, BATCH, layout).weights, per_sequence,
                  rtol=1e-12, atol=0)
     assert (read - per_sequence).abs().max() > 0.5 * per_sequence.max()  # the control: packing moves the row mean
 
@@ -177,14 +178,15 @@ def test_context_parallel_chunk_mean_and_the_fix(cp_layout):
                     for t in columns:
                         if t < LENGTHS[i]:
                             chunk[i, t] = cp / (world_size * cp * len(rank) * tokens)  # x K, mean over W*K
-    assert_close(audit.measure(conventions.context_parallel_chunk_mean, BATCH, layout).weights, chunk,
+    assert_close(measurement.measure(conventions.context_parallel_chunk_mean, BATCH, layout).weights, chunk,
                  rtol=1e-12, atol=0)
     fix = BATCH.mask.double() / N
-    assert_close(audit.measure(conventions.token_sum_over_global_count, BATCH, layout).weights, fix, rtol=1e-12, atol=0)
+    assert_close(measurement.measure(conventions.token_sum_over_global_count, BATCH, layout).weights, fix,
+                 rtol=1e-12, atol=0)
     summed = splits.build("cp", plan, BATCH.mask.sum(-1), T, splits.Loop(cp_reduction="sum"), context_parallel=cp,
                           cp_layout=cp_layout, axes=frozenset({"cp"}))
     # The control: summed over the group, the factor K is one too many.
-    assert_close(audit.measure(conventions.token_sum_over_global_count, BATCH, summed).weights, cp * fix,
+    assert_close(measurement.measure(conventions.token_sum_over_global_count, BATCH, summed).weights, cp * fix,
                  rtol=1e-12, atol=0)
 
 
@@ -219,13 +221,13 @@ def test_a_pipeline_schedule_that_sums_or_averages():
                 for i in part:
                     for t in range(LENGTHS[i]):
                         old[i, t] = 1 / (world_size * accum_steps * stages * tokens)
-    assert_close(audit.measure(conventions.pipeline_mean_of_token_means, BATCH, averaged).weights, old,
+    assert_close(measurement.measure(conventions.pipeline_mean_of_token_means, BATCH, averaged).weights, old,
                  rtol=1e-12, atol=0)
     fix = BATCH.mask.double() / N
-    assert_close(audit.measure(conventions.token_sum_over_global_count, BATCH, summed).weights, fix,
+    assert_close(measurement.measure(conventions.token_sum_over_global_count, BATCH, summed).weights, fix,
                  rtol=1e-12, atol=0)
     # The control: the same fix under an averaging schedule weighs every token 1/P as much.
-    assert_close(audit.measure(conventions.token_sum_over_global_count, BATCH, averaged).weights, fix / stages,
+    assert_close(measurement.measure(conventions.token_sum_over_global_count, BATCH, averaged).weights, fix / stages,
                  rtol=1e-12, atol=0)
 
 
@@ -271,10 +273,10 @@ def test_masked_tokens_and_what_the_denominator_counts(capsys):
     assert int(batch.response.sum()) == generated and int(batch.mask.sum()) == kept < generated
     plans = {"reference": [[torch.arange(S)]], "2x2": [[torch.arange(0, 12), torch.arange(12, 24)],
                                                        [torch.arange(24, 36), torch.arange(36, 48)]]}
-    good = audit.audit_plans(drops_masked, batch, plans)
+    good = decide.audit_plans(drops_masked, batch, plans)
     assert_close(good.results[1].weights, right, rtol=1e-12, atol=0)
     assert good.masked.counts_dropped is False and good.exit_code == 0
-    bad = audit.audit_plans(drops_but_counts_them, batch, plans)
+    bad = decide.audit_plans(drops_but_counts_them, batch, plans)
     assert_close(bad.results[1].weights, counting, rtol=1e-12, atol=0)
     assert bad.masked.counts_dropped is True and bad.exit_code == 1
     assert bad.masked.ratio == (pytest.approx(kept / generated), pytest.approx(kept / generated))
@@ -296,9 +298,9 @@ def test_gspo_and_cispo_on_policy():
     for i in range(S):
         for t in range(LENGTHS[i]):
             sequence[i, t] = 1 / (S * LENGTHS[i])
-    gspo = audit.audit_plans(conventions.gspo_sequence_ratio, BATCH, plans)
+    gspo = decide.audit_plans(conventions.gspo_sequence_ratio, BATCH, plans)
     assert_close(gspo.results[1].weights, sequence, rtol=1e-12, atol=0)
-    cispo = audit.audit_plans(conventions.cispo_clipped_weight, BATCH, plans)
+    cispo = decide.audit_plans(conventions.cispo_clipped_weight, BATCH, plans)
     assert_close(cispo.results[1].weights, BATCH.mask.double() / N, rtol=1e-12, atol=0)
     assert (gspo.equals, cispo.equals) == ("sequence", "token") and gspo.invariant and cispo.invariant
 

@@ -24,7 +24,7 @@ from torch.testing import assert_close
 import drop_in_ddp as example  # examples/ is on sys.path (tests/conftest.py)
 import gradnorm
 from gradnorm.audit import audit
-from gradnorm.audit.cli import verdict
+from gradnorm.audit.verdict import verdict
 from gradnorm.dist.spawn import count_collectives, spawn_gloo
 
 ROOT = Path(__file__).resolve().parents[1]

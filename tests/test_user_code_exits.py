@@ -2,8 +2,8 @@
 command with its own exit code (0 would read as success) or with a traceback.
 
 The reward of the trainer (gradnorm.tasks.rewards, which the pre-training eval and every rollout
-call) and the loss of the audit (gradnorm.audit.probe, at import and at every call) are the user
-code; each case below is what a careless function does.
+call) and the loss of the audit (gradnorm.audit.measurement, at import and at every call) are the
+user code, both loaded by gradnorm.cli.usercode; each case below is what a careless function does.
 """
 
 import sys

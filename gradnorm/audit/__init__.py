@@ -1,26 +1,24 @@
 """The audit: the per-token weights any trainer's loss really gives, for every way a batch is split.
 
-- ``probe``        runs a loss under simulated ranks, microbatches and shardings and reads each
-                   token's weight off the gradient (pure: no processes, no torch.distributed)
-- ``cli``          ``python -m gradnorm.audit module:function``: the report and its verdict
+- ``contract``     what the loss is called with (``COUNTS``), how it breaks (``ContractError``), and
+                   loading it by name (``load_loss``, ``imported_loss``)
+- ``synthetic``    the synthetic ragged GRPO minibatch every loss is audited on
+- ``splits``       the splits of one minibatch (ranks, microbatches, token budgets, packing,
+                   context parallelism, pipelines) as the calls of the loss they produce
+- ``masking``      truncated responses and rejected tokens: what the loss should count
+- ``measurement``  runs the loss under one layout and reads each token's weight off the gradient
+                   (pure: no processes, no torch.distributed)
+- ``decide``       compares every configuration with the reference and gradnorm's modes: the Report
+- ``verdict``      the Report in words: the verdict line, the table, and why a loss is skewed
+- ``cli``          ``python -m gradnorm.audit module:function``: the flags and the command
 - ``conventions``  a catalogue of published conventions, written from their formulas
 - ``plot``         the weight map and each rank's share, drawn on a given Axes
 """
 
-from gradnorm.audit.probe import (
-    COUNTS,
-    MODES,
-    ContractError,
-    Convention,
-    SyntheticBatch,
-    Report,
-    Result,
-    audit,
-    audit_plans,
-    load_loss,
-    measure,
-    synthetic_minibatch,
-)
+from gradnorm.audit.contract import COUNTS, ContractError, load_loss
+from gradnorm.audit.decide import MODES, Report, audit, audit_plans
+from gradnorm.audit.measurement import Convention, Result, measure
+from gradnorm.audit.synthetic import SyntheticBatch, synthetic_minibatch
 
 __all__ = ["COUNTS", "MODES", "ContractError", "Convention", "SyntheticBatch", "Report", "Result", "audit",
            "audit_plans", "load_loss", "measure", "synthetic_minibatch"]

@@ -5,24 +5,26 @@ sign (a negative weight on a response token: the loss rises where the advantage 
 one ``error: ...`` line on stderr (an unimportable loss, a broken contract, bad flags, a run with
 nothing to compare), no traceback.
 ``main(argv)`` is importable, so a notebook or a test can run the command in-process.
+
+This module holds the flags and ``main`` only: the audit itself is ``gradnorm.audit.decide``'s,
+the words of its output ``gradnorm.audit.verdict``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import textwrap
 from collections.abc import Sequence
 
-import torch
-
-from gradnorm.audit import why
+from gradnorm.audit.contract import COUNTS, ContractError, imported_loss
+from gradnorm.audit.decide import audit
 from gradnorm.audit.masking import COUNT_MASKED
-from gradnorm.audit.probe import (
-    COUNTS, MODES, ContractError, Convention, Near, Report, audit, imported_loss, minibatch_size,
-)
+from gradnorm.audit.measurement import Convention
 from gradnorm.audit.splits import CP_LAYOUTS, Splits
+from gradnorm.audit.synthetic import minibatch_size
+from gradnorm.audit.verdict import format_report
+from gradnorm.cli.oneline import OneLineParser
 from gradnorm.core.sharding import SHARD_KINDS
 
 
@@ -40,165 +42,6 @@ SHARDINGS = {
                 "sequences, as token-budget microbatches do.",
 }
 """What each ``--sharding`` does (``gradnorm.core.sharding``), for ``--help``: the kinds keep the trainer's names."""
-
-WRONG_SIGN = "your loss rises where the advantage is positive: you return the objective, or swapped logp and old_logp"
-
-
-def _symbol(letter: str, power: int) -> str:
-    return letter if abs(power) == 1 else f"{letter}^{abs(power)}"
-
-
-def _law(p: int, q: int) -> str:
-    """W^p * A^q written out: W, 1/A, W*A, 1/(W*A), W/A^2, 1."""
-    up = "*".join(_symbol(x, e) for x, e in (("W", p), ("A", q)) if e > 0)
-    down = "*".join(_symbol(x, e) for x, e in (("W", p), ("A", q)) if e < 0)
-    if not down:
-        return up or "1"
-    return f"{up or 1}/{f'({down})' if '*' in down else down}"
-
-
-def factor_name(near: Near, tol: float) -> str:
-    """k * W^p * A^q in words: ``1/W``, ``1/W or 1/A`` (W = A), ``-1``, ``3``, ``0.5 x W``."""
-    if not near.powers:
-        return f"that changes with W and A in no simple way (from {min(near.factors):.4g} to {max(near.factors):.4g})"
-    laws = [_law(p, q) for p, q in near.powers]
-    if abs(near.scale - 1) <= tol:
-        return " or ".join(laws)
-    if abs(near.scale + 1) <= tol:
-        return " or ".join("-1" if law == "1" else f"-{law}" for law in laws)
-    return " or ".join(f"{near.scale:.4g}" if law == "1" else f"{near.scale:.4g} x {law}" for law in laws)
-
-
-def _why(p: int, q: int, convention: Convention) -> list[str]:
-    """What a factor W^p * A^q says about the loss (and the loop the audit assumed)."""
-    says = []
-    if p < 0:
-        says.append(("is missing the world-size factor W" if p == -1 else f"is missing a factor W^{-p}")
-                    + " (DDP's mean over ranks divides every weight by W)")
-    if p > 0:
-        says.append(("has a factor W too many" if p == 1 else f"has a factor W^{p} too many")
-                    + (" (are gradients summed over ranks? then audit with --reduction sum)"
-                       if convention.reduction == "mean" else ""))
-    if q < 0:
-        says.append(("divides by A once too often" if q == -1 else "divides by A twice too often")
-                    + (" (counting the loop's division by A)" if convention.scale_by_accum else ""))
-    if q > 0:
-        says.append(("is missing a division by A" if q == 1 else "is missing two divisions by A")
-                    + ("" if convention.scale_by_accum else " (if your loop divides by A, audit with --scale-by-accum)"))
-    return says
-
-
-def explain_factor(near: Near, convention: Convention, tol: float) -> str:
-    """``up to a factor 1/W: your loss is missing the world-size factor W (...)``: the factor, then why."""
-    readings = [" and ".join(_why(p, q, convention)) for p, q in near.powers]  # one per law that fits
-    if near.powers and abs(abs(near.scale) - 1) > tol:  # a constant k besides W^p * A^q
-        extra = f"weighs every token {abs(near.scale):.4g} times what `{near.mode}` gives"
-        readings = [f"{r} and {extra}" if r else extra for r in readings]
-    readings = [r for r in readings if r]  # k = -1 alone: the wrong sign, which the verdict says first
-    text = f"up to a factor {factor_name(near, tol)}"
-    if readings:
-        text += ": your loss " + " or ".join(readings)
-    if len(near.powers) > 1:
-        text += " (audit with W != A to tell which)"
-    return text
-
-
-def _equal_counts_clause(report: Report) -> str:
-    """Invariant on fixed-size microbatches, skewed only where sequence counts differ: say so, and how to narrow."""
-    even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts and not r.axes))
-    uneven = [r for r in report.results[1:] if not r.equal_counts]
-    mode = report.equals_at_equal_counts
-    like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
-    where = f", where it equals {like}" if mode else ""
-    return (f"invariant whenever every microbatch holds the same number of sequences{where}; skewed by up to "
-            f"{max(r.change for r in uneven):.1%} when they do not (token-budget microbatches: "
-            f"{' '.join(dict.fromkeys(r.label for r in uneven))})"
-            + (f"; if your trainer's microbatches hold a fixed number of sequences, audit with --sharding "
-               f"{' '.join(even)}" if even else ""))
-
-
-def verdict(report: Report) -> str:
-    """One line: wrong sign, skewed, leaking or invariant, and the mode it equals (or nearly equals)."""
-    change = f"a token's weight changes by up to {report.change:.1%} across configurations"
-    if report.wrong_sign:
-        parts = [f"WRONG SIGN: {WRONG_SIGN} ({report.negative:.1%} of the weight inside the mask is negative)",
-                 change]
-    elif report.invariant and not report.leaks and report.masked and report.masked.counts_dropped:
-        parts = [f"MISCOUNTS: {change}"]
-    else:
-        parts = [f"{'SKEWED' if not report.invariant else 'LEAKS' if report.leaks else 'INVARIANT'}: {change}"]
-    axis_clauses = why.axis_clauses(report)
-    parts += axis_clauses
-    if report.skewed_only_by_unequal_counts and not any(c.startswith(why.BUDGET_LEAD) for c in axis_clauses):
-        parts.append(_equal_counts_clause(report))
-    if report.leaks:
-        dropped = " or declared dropped (truncated responses, rejected tokens)" if report.masked else ""
-        parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask{dropped}")
-    if report.masked:
-        parts.append(why.masked_clause(report.masked))
-    if report.equals == "constant":
-        parts.append(f"equals a constant denominator C = {report.constant:.6g}")
-    elif report.equals:
-        parts.append(f"equals gradnorm's `{report.equals}`")
-    elif report.near and not axis_clauses:  # an axis clause names the factor better
-        mode = report.near.mode
-        like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
-        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol)}")
-    elif not report.skewed_only_by_unequal_counts and not axis_clauses:  # the clauses above name the mode
-        parts.append("equals no gradnorm mode")
-    return "; ".join(parts)
-
-
-def format_report(report: Report) -> str:
-    """The command's output: the minibatch, a row per configuration, distances, the verdict."""
-    b, conv = report.batch, report.convention
-    lengths = b.mask.sum(-1)
-    loop = "loss / A" if conv.scale_by_accum else "loss as returned"
-    axes = set().union(*(r.axes for r in report.results))
-    if "cp" in axes:
-        loop += f", context-parallel gradients {conv.cp_reduction}-reduced over each group"
-    if "pipeline" in axes:
-        loop += f", pipeline losses combined by {conv.pipeline_combine}"
-    lengths = b.response.sum(-1)
-    lines = [f"audit of {report.name}",
-             f"minibatch: {len(lengths)} responses in {b.num_groups} groups of {b.group_size}, "
-             f"{int(lengths.min())} to {int(lengths.max())} tokens (N = {int(b.mask.sum())}); "
-             f"backward of {loop}, gradients {conv.reduction}-reduced over ranks"]
-    if report.masked:
-        m = report.masked
-        lines.append(f"masked tokens: {m.response_tokens} generated, {m.dropped_tokens} of them declared dropped "
-                     f"({m.truncated_tokens} in truncated responses, {m.rejected_tokens} rejected); "
-                     f"the loss should count {b.count_masked}")
-    lines.append(f"{'W':>3} {'A':>3}  {'sharding':<22} {'max change':>10}  loudest rank: update share / token share")
-    for r in report.results:
-        ratio = torch.where(r.token_share > 0, r.update_share / r.token_share.clamp(min=1e-300), -math.inf)
-        k = int(torch.argmax(ratio))
-        lines.append(f"{r.world_size:>3} {r.accum_label:>3}  {r.label:<22} {r.change:>10.1%}  "
-                     f"rank {k}: {r.update_share[k]:.1%} / {r.token_share[k]:.1%}")
-    dist = " | ".join(f"{m} {report.distance[m]:.2g}" for m in MODES)
-    lines.append(f"distance to each mode: {dist} (C = {report.constant:.6g})")
-    lines.append(f"weight outside the mask: {report.leak:.1%} of the total")
-    if report.residual > report.tol:
-        lines.append(f"note: part of the gradient does not scale with the advantages ({report.residual:.2g} of the "
-                     f"surrogate's; a k1 KL, an entropy bonus?); the weights above exclude it")
-    lines.append(f"verdict: {verdict(report)}")
-    return "\n".join(lines)
-
-
-def verdict_table(reports: Sequence[Report]) -> str:
-    """One row per audited loss: invariant?, the largest change, leak, the mode it equals."""
-    rows = [f"{'loss':<36} {'verdict':<10} {'max change':>10} {'leak':>6}  equals"]
-    for r in reports:
-        equals = f"constant C = {r.constant:.6g}" if r.equals == "constant" else (r.equals or "-")
-        how = "WRONG SIGN" if r.wrong_sign else "SKEWED" if not r.invariant else "LEAKS" if r.leaks else "invariant"
-        rows.append(f"{r.name:<36} {how:<10} {r.change:>10.1%} "
-                    f"{r.leak:>6.1%}  {equals}")
-    return "\n".join(rows)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block: the CLI's errors all look alike
-        raise ContractError(message)
 
 
 def _at_least(low: int, high: int = 2**63 - 1):
@@ -235,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     status = ("Exit status: 0 invariant; 1 skewed, leaking onto tokens outside the mask, or of the wrong sign (the "
               "loss rises where the advantage is positive); 2 an error (one line), also for a run with nothing to "
               "compare (W = A = 1 only).")
-    p = _Parser(
+    p = OneLineParser(
         prog="python -m gradnorm.audit",
+        raises=ContractError,  # one line, no usage block: main reports it as every other error
         description=textwrap.fill("Measure the weight a GRPO microbatch loss gives every token under simulated "
                                   "data parallelism and gradient accumulation, and say whether it is invariant "
                                   "to W, A and sharding, and if not, why.", 100),

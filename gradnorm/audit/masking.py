@@ -31,7 +31,7 @@ REJECT_RATE = 0.1
 
 
 def with_masked_tokens(batch, count: str, seed: int = 0):
-    """``batch`` (a ``probe.SyntheticBatch``) with one truncated response a group and rejected tokens.
+    """``batch`` (a ``synthetic.SyntheticBatch``) with one truncated response a group and rejected tokens.
 
     The longest response of each group runs to the limit T and is marked truncated; each generated
     token is rejected with probability ``REJECT_RATE`` (a generator of its own, seeded by ``seed``).

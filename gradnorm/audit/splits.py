@@ -1,8 +1,8 @@
 """The splits a trainer makes of one minibatch, as the calls of the user's loss they produce.
 
 A ``Layout`` is one configuration of one optimizer step: for every simulated rank, the forwards
-(``Call``) it runs, each holding some positions of the (S, T) minibatch in rows of its own. The
-probe runs the loss once per call on a leaf gathered from those positions, multiplies what it
+(``Call``) it runs, each holding some positions of the (S, T) minibatch in rows of its own.
+``measurement`` runs the loss once per call on a leaf gathered from those positions, multiplies what it
 returns by the call's ``scale`` and adds each gradient back into its positions. Every factor
 around the loss is linear (the loop's 1/A, a pipeline schedule's 1/P, a mean over W ranks or over
 the K ranks of a context-parallel group), so applying it to the loss is the same as applying it
@@ -93,7 +93,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Loop:
-    """The factors around the loss: the outer loop's and the reductions' (``probe.Convention``'s fields)."""
+    """The factors around the loss: the outer loop's and the reductions' (``measurement.Convention``'s fields)."""
 
     scale_by_accum: bool = False
     reduction: str = "mean"  # over the W data-parallel ranks

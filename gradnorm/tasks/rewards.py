@@ -1,25 +1,24 @@
 """Pluggable rewards for real-model tasks: ``reward(response_text, answer) -> float`` in a registry.
 
 ``--reward`` names a registered function (``exact_match_math``, the default) or points at any
-importable function as ``package.module:function``. A user's function that fails to import, takes
-other arguments, raises, or returns something other than one finite number is a ``RewardError``:
-one line naming the function and the sequence, then the user's own frames (the trainer's are left
-out, they only say who called it).
+importable function as ``package.module:function`` (loaded by ``gradnorm.cli.usercode``). A user's
+function that fails to import, takes other arguments, raises, or returns something other than one
+finite number is a ``RewardError``: one line naming the function and the sequence, then the user's
+own frames (the trainer's are left out, they only say who called it).
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
 import re
-import traceback
 from collections.abc import Callable
 from fractions import Fraction
-from pathlib import Path
 
 import torch
+
+from gradnorm.cli.usercode import USER_EXITS, UserCodeError, describe, load_function, user_frames
 
 # ---------------------------------------------------------------------------------------------
 # Rewards: reward(response_text, answer) -> float, in a registry
@@ -44,36 +43,24 @@ class RewardError(ValueError):
 
     def __init__(self, summary: str, cause: BaseException | None = None):
         super().__init__(summary)
-        self.summary, self.frames = summary, _user_frames(cause) if cause is not None else ""
+        self.summary, self.frames = summary, user_frames(cause) if cause is not None else ""
 
     def __str__(self) -> str:
         return self.summary + ("\n" + self.frames if self.frames else "")
 
 
-# Frames of gradnorm and of the import machinery only say who called the user's code.
-_PLUMBING = (str(Path(__file__).resolve().parents[1]), str(Path(importlib.__file__).parent), "<frozen")
-
-
-def _user_frames(err: BaseException) -> str:
-    """The frames of ``err`` outside gradnorm and importlib, formatted like a traceback's."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if not f.filename.startswith(_PLUMBING)]
-    lines = traceback.format_list(frames)
-    if isinstance(err, SyntaxError):  # where the parser stopped: file, line and caret
-        lines += traceback.format_exception_only(type(err), err)[:-1]
-    return "".join(lines).rstrip("\n")
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, SystemExit):  # sys.exit(code) in user code: name the code, never pass it on
-        return f"SystemExit({err.code!r})"
-    return f"{type(err).__name__}({str(err)!r})"
-
-
-USER_EXITS = (Exception, SystemExit, KeyboardInterrupt)
-"""What user code may raise that is its failure: sys.exit(0) or a KeyboardInterrupt it raises itself
-must not end the trainer with exit 0 or a traceback (a real Ctrl-C never raises in the trainer:
-``guards.catch_signals`` turns it into a stop request)."""
+def _cannot_load(name: str, err: UserCodeError) -> RewardError:
+    """What ``--reward NAME`` says when ``load_function`` could not give it a function."""
+    if err.kind == "import":  # a syntax error, an exception or sys.exit() at import time, in the user's module
+        return RewardError(f"reward function {name} failed to import: {describe(err.cause, quoted=True)}", err.cause)
+    if err.kind == "no module":
+        return RewardError(f"--reward {name!r}: cannot import it (no module named {err.cause.name!r} on sys.path or "
+                           "PYTHONPATH)")
+    if err.kind == "no function":
+        return RewardError(f"--reward {name!r}: cannot import it (module {err.where} has no {err.name!r})")
+    if err.kind == "not callable":
+        return RewardError(f"--reward {name!r} is not callable (it is a {type(err.found).__name__})")
+    return RewardError(f"--reward {name!r}: {err}")
 
 
 def get_reward(name: str) -> RewardFn:
@@ -85,21 +72,10 @@ def get_reward(name: str) -> RewardFn:
         return REWARDS[name]
     if ":" not in name:
         raise ValueError(f"unknown reward {name!r}: expected one of {', '.join(sorted(REWARDS))} or package.module:function")
-    module_name, _, attr = name.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name is not None and (module_name + ".").startswith(err.name + "."):  # the module itself, not one it imports
-            raise RewardError(f"--reward {name!r}: cannot import it (no module named {err.name!r} on sys.path or "
-                              "PYTHONPATH)") from None
-        raise RewardError(f"reward function {name} failed to import: {_describe(err)}", err) from None
-    except USER_EXITS as err:  # a syntax error, an exception or sys.exit() at import time, in the user's module
-        raise RewardError(f"reward function {name} failed to import: {_describe(err)}", err) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardError(f"--reward {name!r}: cannot import it (module {module_name} has no {attr!r})")
-    if not callable(fn):
-        raise RewardError(f"--reward {name!r} is not callable (it is a {type(fn).__name__})")
+        fn = load_function(name, files=False)
+    except UserCodeError as err:
+        raise _cannot_load(name, err) from None
     try:
         inspect.signature(fn).bind("response", "answer")
     except TypeError:
@@ -120,7 +96,7 @@ def call_reward(fn: RewardFn, response: str, answer: str, index: int) -> float:
     try:
         value = fn(response, answer)
     except USER_EXITS as err:
-        raise RewardError(f"reward function {reward_name(fn)} raised {_describe(err)} on sequence {index} "
+        raise RewardError(f"reward function {reward_name(fn)} raised {describe(err, quoted=True)} on sequence {index} "
                           f"(answer {answer!r})", err) from None
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()

@@ -1,0 +1,344 @@
+"""The verdict in words: what a ``Report`` says about a loss, and why.
+
+``verdict`` is the one line the command ends with: wrong sign, skewed, leaking or invariant,
+the mode the weights equal (or nearly equal: ``explain_factor`` names the factor and what it
+says about the loss), and a clause for each split the loss is skewed by alone. ``format_report``
+is the command's whole output, ``verdict_table`` one row per audited loss.
+
+A loss is "skewed only by" an axis of ``splits`` when every configuration without it is
+invariant and one with it is not. Its clause then says what the weights show under that axis,
+by one of two tests:
+
+    a uniform factor   every token weighs c times the mode's weight; c = K (or 1/K) names a
+                       context-parallel reduction, c = 1/P a pipeline schedule's mean, and
+                       c_r = k / A_r on each rank r a division by the rank's own microbatch count
+    uniform units      every counted token of a unit (a packed row, a rank's chunk, a pipeline
+                       microbatch) weighs the same while the mode's weights differ there: the
+                       loss takes a mean over the unit, as if it were one sequence or one batch
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradnorm.audit.decide import MODES, Near, Report
+from gradnorm.audit.masking import MaskedFinding
+from gradnorm.audit.measurement import Convention, Result
+
+WRONG_SIGN = "your loss rises where the advantage is positive: you return the objective, or swapped logp and old_logp"
+
+
+def _symbol(letter: str, power: int) -> str:
+    return letter if abs(power) == 1 else f"{letter}^{abs(power)}"
+
+
+def _law(p: int, q: int) -> str:
+    """W^p * A^q written out: W, 1/A, W*A, 1/(W*A), W/A^2, 1."""
+    up = "*".join(_symbol(x, e) for x, e in (("W", p), ("A", q)) if e > 0)
+    down = "*".join(_symbol(x, e) for x, e in (("W", p), ("A", q)) if e < 0)
+    if not down:
+        return up or "1"
+    return f"{up or 1}/{f'({down})' if '*' in down else down}"
+
+
+def factor_name(near: Near, tol: float) -> str:
+    """k * W^p * A^q in words: ``1/W``, ``1/W or 1/A`` (W = A), ``-1``, ``3``, ``0.5 x W``."""
+    if not near.powers:
+        return f"that changes with W and A in no simple way (from {min(near.factors):.4g} to {max(near.factors):.4g})"
+    laws = [_law(p, q) for p, q in near.powers]
+    if abs(near.scale - 1) <= tol:
+        return " or ".join(laws)
+    if abs(near.scale + 1) <= tol:
+        return " or ".join("-1" if law == "1" else f"-{law}" for law in laws)
+    return " or ".join(f"{near.scale:.4g}" if law == "1" else f"{near.scale:.4g} x {law}" for law in laws)
+
+
+def _why(p: int, q: int, convention: Convention) -> list[str]:
+    """What a factor W^p * A^q says about the loss (and the loop the audit assumed)."""
+    says = []
+    if p < 0:
+        says.append(("is missing the world-size factor W" if p == -1 else f"is missing a factor W^{-p}")
+                    + " (DDP's mean over ranks divides every weight by W)")
+    if p > 0:
+        says.append(("has a factor W too many" if p == 1 else f"has a factor W^{p} too many")
+                    + (" (are gradients summed over ranks? then audit with --reduction sum)"
+                       if convention.reduction == "mean" else ""))
+    if q < 0:
+        says.append(("divides by A once too often" if q == -1 else "divides by A twice too often")
+                    + (" (counting the loop's division by A)" if convention.scale_by_accum else ""))
+    if q > 0:
+        says.append(("is missing a division by A" if q == 1 else "is missing two divisions by A")
+                    + ("" if convention.scale_by_accum else " (if your loop divides by A, audit with --scale-by-accum)"))
+    return says
+
+
+def explain_factor(near: Near, convention: Convention, tol: float) -> str:
+    """``up to a factor 1/W: your loss is missing the world-size factor W (...)``: the factor, then why."""
+    readings = [" and ".join(_why(p, q, convention)) for p, q in near.powers]  # one per law that fits
+    if near.powers and abs(abs(near.scale) - 1) > tol:  # a constant k besides W^p * A^q
+        extra = f"weighs every token {abs(near.scale):.4g} times what `{near.mode}` gives"
+        readings = [f"{r} and {extra}" if r else extra for r in readings]
+    readings = [r for r in readings if r]  # k = -1 alone: the wrong sign, which the verdict says first
+    text = f"up to a factor {factor_name(near, tol)}"
+    if readings:
+        text += ": your loss " + " or ".join(readings)
+    if len(near.powers) > 1:
+        text += " (audit with W != A to tell which)"
+    return text
+
+
+def _equal_counts_clause(report: Report) -> str:
+    """Invariant on fixed-size microbatches, skewed only where sequence counts differ: say so, and how to narrow."""
+    even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts and not r.axes))
+    uneven = [r for r in report.results[1:] if not r.equal_counts]
+    mode = report.equals_at_equal_counts
+    like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
+    where = f", where it equals {like}" if mode else ""
+    return (f"invariant whenever every microbatch holds the same number of sequences{where}; skewed by up to "
+            f"{max(r.change for r in uneven):.1%} when they do not (token-budget microbatches: "
+            f"{' '.join(dict.fromkeys(r.label for r in uneven))})"
+            + (f"; if your trainer's microbatches hold a fixed number of sequences, audit with --sharding "
+               f"{' '.join(even)}" if even else ""))
+
+
+def verdict(report: Report) -> str:
+    """One line: wrong sign, skewed, leaking or invariant, and the mode it equals (or nearly equals)."""
+    change = f"a token's weight changes by up to {report.change:.1%} across configurations"
+    if report.wrong_sign:
+        parts = [f"WRONG SIGN: {WRONG_SIGN} ({report.negative:.1%} of the weight inside the mask is negative)",
+                 change]
+    elif report.invariant and not report.leaks and report.masked and report.masked.counts_dropped:
+        parts = [f"MISCOUNTS: {change}"]
+    else:
+        parts = [f"{'SKEWED' if not report.invariant else 'LEAKS' if report.leaks else 'INVARIANT'}: {change}"]
+    clauses = axis_clauses(report)
+    parts += clauses
+    if report.skewed_only_by_unequal_counts and not any(c.startswith(BUDGET_LEAD) for c in clauses):
+        parts.append(_equal_counts_clause(report))
+    if report.leaks:
+        dropped = " or declared dropped (truncated responses, rejected tokens)" if report.masked else ""
+        parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask{dropped}")
+    if report.masked:
+        parts.append(masked_clause(report.masked))
+    if report.equals == "constant":
+        parts.append(f"equals a constant denominator C = {report.constant:.6g}")
+    elif report.equals:
+        parts.append(f"equals gradnorm's `{report.equals}`")
+    elif report.near and not clauses:  # an axis clause names the factor better
+        mode = report.near.mode
+        like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
+        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol)}")
+    elif not report.skewed_only_by_unequal_counts and not clauses:  # the clauses above name the mode
+        parts.append("equals no gradnorm mode")
+    return "; ".join(parts)
+
+
+def format_report(report: Report) -> str:
+    """The command's output: the minibatch, a row per configuration, distances, the verdict."""
+    b, conv = report.batch, report.convention
+    lengths = b.mask.sum(-1)
+    loop = "loss / A" if conv.scale_by_accum else "loss as returned"
+    axes = set().union(*(r.axes for r in report.results))
+    if "cp" in axes:
+        loop += f", context-parallel gradients {conv.cp_reduction}-reduced over each group"
+    if "pipeline" in axes:
+        loop += f", pipeline losses combined by {conv.pipeline_combine}"
+    lengths = b.response.sum(-1)
+    lines = [f"audit of {report.name}",
+             f"minibatch: {len(lengths)} responses in {b.num_groups} groups of {b.group_size}, "
+             f"{int(lengths.min())} to {int(lengths.max())} tokens (N = {int(b.mask.sum())}); "
+             f"backward of {loop}, gradients {conv.reduction}-reduced over ranks"]
+    if report.masked:
+        m = report.masked
+        lines.append(f"masked tokens: {m.response_tokens} generated, {m.dropped_tokens} of them declared dropped "
+                     f"({m.truncated_tokens} in truncated responses, {m.rejected_tokens} rejected); "
+                     f"the loss should count {b.count_masked}")
+    lines.append(f"{'W':>3} {'A':>3}  {'sharding':<22} {'max change':>10}  loudest rank: update share / token share")
+    for r in report.results:
+        ratio = torch.where(r.token_share > 0, r.update_share / r.token_share.clamp(min=1e-300), -math.inf)
+        k = int(torch.argmax(ratio))
+        lines.append(f"{r.world_size:>3} {r.accum_label:>3}  {r.label:<22} {r.change:>10.1%}  "
+                     f"rank {k}: {r.update_share[k]:.1%} / {r.token_share[k]:.1%}")
+    dist = " | ".join(f"{m} {report.distance[m]:.2g}" for m in MODES)
+    lines.append(f"distance to each mode: {dist} (C = {report.constant:.6g})")
+    lines.append(f"weight outside the mask: {report.leak:.1%} of the total")
+    if report.residual > report.tol:
+        lines.append(f"note: part of the gradient does not scale with the advantages ({report.residual:.2g} of the "
+                     f"surrogate's; a k1 KL, an entropy bonus?); the weights above exclude it")
+    lines.append(f"verdict: {verdict(report)}")
+    return "\n".join(lines)
+
+
+def verdict_table(reports: Sequence[Report]) -> str:
+    """One row per audited loss: invariant?, the largest change, leak, the mode it equals."""
+    rows = [f"{'loss':<36} {'verdict':<10} {'max change':>10} {'leak':>6}  equals"]
+    for r in reports:
+        equals = f"constant C = {r.constant:.6g}" if r.equals == "constant" else (r.equals or "-")
+        how = "WRONG SIGN" if r.wrong_sign else "SKEWED" if not r.invariant else "LEAKS" if r.leaks else "invariant"
+        rows.append(f"{r.name:<36} {how:<10} {r.change:>10.1%} "
+                    f"{r.leak:>6.1%}  {equals}")
+    return "\n".join(rows)
+
+
+# ---- why a loss is skewed by one split: the clause of each axis
+
+BUDGET_LEAD = "under a token budget"
+
+
+def _close(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b))
+
+
+def skewed_only_by(report: Report, axis: str) -> bool:
+    """Invariant on every configuration without ``axis``, skewed on one with it."""
+    within = [r.change for r in report.results[1:] if axis in r.axes]
+    without = [r.change for r in report.results[1:] if axis not in r.axes]
+    return bool(within) and max(within) > report.tol and all(c <= report.tol for c in without)
+
+
+def _mode_without(report: Report, axis: str) -> str | None:
+    """The first mode matched by the reference and every configuration without ``axis``."""
+    without = [r for r in report.results if axis not in r.axes]
+    return next((m for m in MODES if max(r.distance[m] for r in without) <= report.tol), None)
+
+
+def _units(result: Result, axis: str) -> list[Tensor]:
+    """Flat positions of each unit: a packed row (pack), or a call's positions (cp, pipeline)."""
+    S, T = result.weights.shape
+    if axis == "pack":
+        rows = [row for call in result.layout.calls for row in call.index]
+    else:
+        rows = [call.index.reshape(-1) for call in result.layout.calls]
+    return [row[row < S * T] for row in rows]
+
+
+def _uniform_units(report: Report, axis: str) -> bool:
+    """Every unit's counted tokens weigh the same, on every result with ``axis``, where the reference's differ."""
+    tol, mask = report.tol, report.batch.mask.reshape(-1)
+    reference = report.results[0].weights.reshape(-1)
+    informative = False
+    for result in (r for r in report.results if axis in r.axes):
+        w = result.weights.reshape(-1)
+        for unit in _units(result, axis):
+            unit = unit[mask[unit]]
+            if len(unit) < 2:
+                continue
+            if not _close(float(w[unit].max()), float(w[unit].min()), tol):
+                return False
+            informative |= not _close(float(reference[unit].max()), float(reference[unit].min()), tol)
+    return informative
+
+
+def _common_factor(report: Report, axis: str, mode: str) -> float | None:
+    """c when every result with ``axis`` weighs every token c times ``mode``'s weight, else None."""
+    factors = [r.factor.get(mode) for r in report.results if axis in r.axes]
+    if not factors or None in factors or not all(_close(c, factors[0], report.tol) for c in factors):
+        return None
+    return factors[0]
+
+
+def _per_rank_accum(report: Report) -> bool:
+    """On every token-budget result, rank r's tokens weigh k / A_r times their weight in one process (one k)."""
+    mask, expected = report.batch.mask, report.results[0].weights
+    for result in (r for r in report.results if "budget" in r.axes):
+        ks = []
+        for rank in result.plan:
+            for mb in rank:
+                kept = mask[mb]
+                got, want = result.weights[mb][kept], expected[mb][kept]
+                if len(got) == 0:
+                    continue
+                ratio = got / want
+                if not _close(float(ratio.max()), float(ratio.min()), report.tol):
+                    return False
+                ks.append(float(ratio.mean()) * len(rank))
+        if not ks or not all(_close(k, ks[0], report.tol) for k in ks):
+            return False
+    return True
+
+
+def _budget_clause(report: Report) -> str | None:
+    """Under a token budget, each rank's tokens k / A_r times their one-process weight: a division by A_r."""
+    within = [r for r in report.results if "budget" in r.axes]
+    if not within or max(r.change for r in within) <= report.tol or not _per_rank_accum(report):
+        return None
+    counts = [n for r in within for n in r.layout.microbatch_counts]
+    return (f"{BUDGET_LEAD} (ranks hold {min(counts)} to {max(counts)} microbatches) every token of rank r weighs "
+            f"1/A_r times its weight in one process, skewed by up to {max(r.change for r in within):.1%}: your loss "
+            f"or loop divides by this rank's number of microbatches A_r, which a token budget makes differ by rank; "
+            f"divide by the global counts alone")
+
+
+def _clause(report: Report, axis: str) -> str | None:
+    if axis == "budget":
+        return _budget_clause(report)
+    if not skewed_only_by(report, axis):
+        return None
+    mode = _mode_without(report, axis)
+    within = [r for r in report.results if axis in r.axes]
+    worst = max(r.change for r in within)
+    like = (f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`")
+    where = f", where it equals {like}" if mode else ""
+    layout = within[0].layout
+    K, P, conv = layout.context_parallel, layout.pipeline_microbatches, report.convention
+    reason = None
+    c = _common_factor(report, axis, mode) if mode else None
+    if axis == "pack":
+        lead, skew = "invariant on unpacked rows", "on rows packed back to back"
+        if _uniform_units(report, axis):
+            reason = ("every token of a packed row gets the same weight: your loss averages each row as if it were "
+                      "one sequence (a per-row mean over packs); divide each token by its own sequence's length "
+                      "(ask for sequence_ids and sequence_tokens)")
+    elif axis == "cp":
+        lead, skew = "invariant without context parallelism", f"when each row is split over {K} ranks"
+        if c is not None and _close(c, K, report.tol):
+            reason = (f"every weight is K = {K} times too large: are gradients summed over each context-parallel "
+                      "group? then audit with --cp-reduction sum" if conv.cp_reduction == "mean" else
+                      f"every weight is K = {K} times too large: your loss multiplies by K, which a sum over the "
+                      "group does not need")
+        elif c is not None and _close(c, 1 / K, report.tol):
+            reason = (f"every weight is divided by K = {K}: the mean over dp x cp ranks divides by W*K, and your "
+                      "loss undoes only W; multiply by context_parallel")
+        elif _uniform_units(report, axis):
+            reason = ("every token of a rank's chunk gets the same weight, set by the chunk's own token count (a "
+                      "per-chunk mean); divide the chunk's token sum by the global count num_tokens")
+    else:
+        lead = "invariant without a pipeline"
+        skew = f"under a pipeline schedule of {P} microbatches combined by {conv.pipeline_combine}"
+        if c is not None and _close(c, 1 / P, report.tol):
+            reason = (f"the schedule's mean divides every weight by P = {P}: multiply by pipeline_microbatches, or "
+                      "audit with --pipeline-combine sum if your schedule sums")
+        elif c is not None and _close(c, P, report.tol):
+            reason = (f"every weight is P = {P} times too large: does your schedule average its microbatches' "
+                      "losses? then audit with --pipeline-combine mean")
+        elif _uniform_units(report, axis):
+            reason = ("every token of a pipeline microbatch gets the same weight, set by its own token count (a "
+                      "per-microbatch mean); divide by the global count num_tokens instead")
+    text = f"{lead}{where}; skewed by up to {worst:.1%} {skew}"
+    return f"{text}: {reason}" if reason else text
+
+
+def axis_clauses(report: Report) -> list[str]:
+    """One clause for each axis the loss is skewed by alone (none when it is skewed without any)."""
+    return [c for axis in ("budget", "pack", "cp", "pipeline") if (c := _clause(report, axis))]
+
+
+def masked_clause(m: MaskedFinding) -> str:
+    """Whether the denominator counts the tokens declared dropped, and what that does to every kept token."""
+    if m.dropped_tokens == 0:
+        return "no generated token is declared dropped: the loss should count them all"
+    if m.counts_dropped is None:
+        return (f"the audit cannot tell whether the denominator counts the {m.dropped_tokens} tokens declared "
+                f"dropped: the kept tokens' weights fit no mode with either count")
+    if not m.counts_dropped:
+        return (f"the denominator leaves out the {m.dropped_tokens} tokens declared dropped "
+                f"(`{m.mode}` counted over the {m.kept_tokens} kept tokens)")
+    low, high = m.ratio
+    change = (f"{low:.4g} times what it should ({low - 1:+.1%})" if abs(high - low) <= 1e-9 * high else
+              f"{low:.4g} to {high:.4g} times what it should ({low - 1:+.1%} to {high - 1:+.1%})")
+    return (f"the denominator COUNTS the {m.dropped_tokens} tokens declared dropped (`{m.mode}` counted over all "
+            f"{m.response_tokens} generated tokens): every kept token weighs {change}")
