@@ -3,7 +3,7 @@
     python benchmarks/bench.py               # full run, a few minutes on 2 cores (make bench)
     python benchmarks/bench.py --quick       # a smoke-sized run
     python benchmarks/bench.py --out DIR     # where results.md and results.json go
-    python benchmarks/bench.py --readme README.md  # also rewrite the README's summary between its markers
+    python benchmarks/bench.py --readme docs/benchmarks.md  # also rewrite its summary between the bench markers
 
 Every comparison is measured side by side in one run: the modes of a table are interleaved
 round-robin (rotating the order each round) on the same ranks, so a noisy neighbour slows them
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks", help="folder for results.md and results.json")
     parser.add_argument("--skip-notebooks", action="store_true", help="leave out the nbmake timings")
     parser.add_argument("--rounds", type=int, help="interleaved rounds of the overhead table (default 60, quick 8)")
-    parser.add_argument("--readme", help="rewrite the summary between the bench markers of this README")
+    parser.add_argument("--readme", help="rewrite the summary between the bench markers of this file (docs/benchmarks.md)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (8 if args.quick else 60)
     base = StepSetup()
@@ -284,7 +284,7 @@ README_BEGIN, README_END = "<!-- bench:begin (written by make bench) -->", "<!--
 
 
 def readme_summary(report: dict) -> str:
-    """The README's paragraph of numbers, copied from the same report that results.md shows."""
+    """docs/benchmarks.md's paragraph of numbers, copied from the same report that results.md shows."""
     m = report["machine"]
     return (f"From `benchmarks/results.md` as written by the same `make bench` run ({m['cpus']} CPUs, load "
             f"average {m['load_average_at_start']:.1f} at its start{', --quick' if report['quick'] else ''}): "
@@ -292,7 +292,7 @@ def readme_summary(report: dict) -> str:
 
 
 def update_readme(path: Path, summary: str) -> None:
-    """Replace the text between the README's bench markers with ``summary`` (markers must exist)."""
+    """Replace the text between the file's bench markers with ``summary`` (markers must exist)."""
     text = path.read_text()
     start, end = text.find(README_BEGIN), text.find(README_END)
     if start < 0 or end < start:

@@ -9,7 +9,7 @@ holds its shard of the weights and of AdamW's two moments. Then rank 0's host me
 around one save, with each way of saving in its own fresh pair of processes (a freed allocation
 would otherwise be reused by the next one and hide it):
 
-- ``sharded``: ``gradnorm.trainer.checkpoints.save``, what the trainer does. Every rank writes its own
+- ``sharded``: ``gradnorm.trainer.checkpoint.store.save``, what the trainer does. Every rank writes its own
   shards with torch.distributed.checkpoint.
 - ``gathered``: what the trainer did before: ``get_model_state_dict`` and
   ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True`` (every full tensor
@@ -41,7 +41,7 @@ except ImportError:
 
 import torch
 
-from gradnorm.trainer import checkpoints as checkpointing
+from gradnorm.trainer.checkpoint import store
 from gradnorm.dist import comm, wrap
 from gradnorm.dist import state as dist_state
 from gradnorm.dist.spawn import spawn_gloo
@@ -93,7 +93,7 @@ def _measure(ctx: comm.DistContext, method: str, n_layer: int, n_embd: int, out_
     Path("/proc/self/clear_refs").write_text("5")  # reset this process's peak resident set
     before, t0 = _status_kib("VmRSS"), time.perf_counter()
     if method == "sharded":
-        checkpointing.save(path, 1, state, {"step": 1}, ctx.rank)
+        store.save(path, 1, state, {"step": 1}, ctx.rank)
     else:
         path.mkdir(parents=True, exist_ok=True)
         _gathered_save(model, opt, path, ctx.is_main)

@@ -39,7 +39,8 @@ import torch
 
 from gradnorm.models import hf, sampling, tinygpt
 from gradnorm.trainer.config import parse_config
-from gradnorm.trainer.policy import build_policy, warm_up
+from gradnorm.trainer.policy import build_policy
+from gradnorm.trainer.warmup import warm_up
 from gradnorm.trainer.rollout import seeded_generator, sequence_uniforms
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -110,7 +110,7 @@ def fix_cost_report(pieces: dict, step_times: dict[str, list[float]]) -> dict:
 
 
 def render_fix_cost(cost: dict) -> list[str]:
-    """Markdown lines of the fix's cost, for results.md (and the summary that goes into the README)."""
+    """Markdown lines of the fix's cost, for results.md (and the summary that goes into docs/benchmarks.md)."""
     rows = [("count all-reduce (`global_counts`, token)", "counts_allreduce"),
             ("weights + weighted loss, token (A microbatches)", "weights_token"),
             ("weights + weighted loss, local (A microbatches)", "weights_local"),
@@ -125,7 +125,7 @@ def render_fix_cost(cost: dict) -> list[str]:
 
 
 def summary_sentence(cost: dict) -> str:
-    """One sentence with the fix's cost and its uncertainty (results.md and the README say the same)."""
+    """One sentence with the fix's cost and its uncertainty (results.md and docs/benchmarks.md say the same)."""
     r = cost["step_ratio"]
     pieces = cost["pieces"]
     return (f"The fix costs {cost['fix_us']:.0f} us per step measured directly (the count all-reduce, median "

@@ -36,7 +36,7 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm.models import hf
-from gradnorm.trainer.policy import score_by_length
+from gradnorm.trainer.chunks import score_by_length
 from gradnorm.trainer.rollout import response_mask, seeded_generator, sequence_uniforms
 
 ROOT = Path(__file__).resolve().parents[1]

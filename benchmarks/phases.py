@@ -11,7 +11,7 @@ warm-up) under torchrun with 1 and with 2 gloo ranks, in two configurations:
 - ``reuse + KL``: ``--beta 0.04 --minibatches-per-rollout 2``: every rollout feeds 2 updates, so
   the sampling policy's log-probs are scored once per rollout, and the reference's too.
 
-Every step logs its phase times (``gradnorm.trainer.run.PhaseTimer``): rank 0's own
+Every step logs its phase times (``gradnorm.trainer.rundir.phases.PhaseTimer``): rank 0's own
 (``time_<phase>_s``) and, for the phases whose work can differ between ranks, the slowest rank's
 (``time_<phase>_max_s``). Per phase the table gives seconds per optimizer step (the phase's total
 over the steps after the first rollout, divided by their number), for rank 0 and the slowest rank,
@@ -29,8 +29,8 @@ neighbour slows them alike; the medians over rounds are reported with the load.
 Then the scoring A/B, paired in one run: on spawned gloo ranks, the default model and one rollout
 batch of the reuse + KL configuration (64 prompts x 8), each rank times scoring the sampling
 policy's and the reference's log-probs three ways, in rotated order, 20 rounds: the whole batch
-on every rank; each rank its training rows (``step.shares``); and what the trainer does
-(``step.score``), 1/W of the rows balanced by cost, then one all-to-all that gives each rank the
+on every rank; each rank its training rows (``scoring.shares``); and what the trainer does
+(``scoring.score``), 1/W of the rows balanced by cost, then one all-to-all that gives each rank the
 rows it trains on. At W = 1 all three score the whole batch. Each is timed in wall time and in the
 scoring thread's CPU time, which leaves out the time a rank waits for its peer.
 """
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gradnorm.teach.launch import torchrun_command  # noqa: E402
-from gradnorm.trainer.run import MAX_PHASES, PHASES  # noqa: E402
+from gradnorm.trainer.rundir.phases import MAX_PHASES, PHASES# noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CONFIGS = {"default": [], "reuse + KL": ["--beta", "0.04", "--minibatches-per-rollout", "2"]}
@@ -125,7 +125,7 @@ def scoring_worker(ctx, rounds: int, shard: str) -> dict:
     import copy
 
     from gradnorm.dist import comm
-    from gradnorm.trainer import step as steps
+    from gradnorm.trainer import scoring
     from gradnorm.trainer.config import parse_config
     from gradnorm.trainer.policy import build_policy
     from gradnorm.trainer.rollout import generate_rollout
@@ -137,14 +137,14 @@ def scoring_worker(ctx, rounds: int, shard: str) -> dict:
     with torch.no_grad():
         rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                    group_size=cfg.group_size, seed=0, step=1, temperature=1.0, **share)
-    shares = steps.shares(rollout, cfg, ctx.world_size)
+    shares = scoring.shares(rollout, cfg, ctx.world_size)
     modules = [policy.model, ref]
 
     def own_rows():  # each rank its training rows, no exchange (the trainer before step.scoring_split)
-        return [steps.score_rows(policy, module, rollout, shares[ctx.rank]) for module in modules]
+        return [scoring.score_rows(policy, module, rollout, shares[ctx.rank]) for module in modules]
 
-    variants = {"balanced": lambda: steps.score(policy, modules, rollout, shares, ctx.rank), "own": own_rows,
-                "whole": lambda: steps.score(policy, modules, rollout)}
+    variants = {"balanced": lambda: scoring.score(policy, modules, rollout, shares, ctx.rank), "own": own_rows,
+                "whole": lambda: scoring.score(policy, modules, rollout)}
     times, cpu = {name: [] for name in variants}, {name: [] for name in variants}
     with torch.no_grad():
         for r in range(rounds + 1):
@@ -155,7 +155,7 @@ def scoring_worker(ctx, rounds: int, shard: str) -> dict:
                 if r:  # round 0 warms up
                     times[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.thread_time() - c0)  # this rank's own work, without waiting
-    rows = {"balanced": len(steps.scoring_split(rollout.lengths, ctx.world_size)[ctx.rank]),
+    rows = {"balanced": len(scoring.scoring_split(rollout.lengths, ctx.world_size)[ctx.rank]),
             "own": len(shares[ctx.rank]), "whole": len(rollout.rewards)}
     return {"times": times, "cpu": cpu, "rows": rows}
 
@@ -181,7 +181,7 @@ AB_SHARDS = ("interleave", "length")
 
 
 VARIANTS = {"whole": "every rank, the whole batch",
-            "own": "each rank its training rows (`step.shares`), no exchange",
+            "own": "each rank its training rows (`scoring.shares`), no exchange",
             "balanced": "1/W of the rows balanced by cost (`step.scoring_split`), then one all-to-all: the trainer"}
 """The scoring A/B's variants, in the order the table gives them."""
 

@@ -8,6 +8,7 @@ and the modes differ only in ``w``. The packages, and what each may import (docs
 the whole map and one optimizer step's data flow):
 
 - ``core``     the math: denominators, GRPO loss pieces, sharding plans, simulation, accumulation
+- ``cli``      what every command shares with its user: one-line usage errors, loading user code
 - ``dist``     the only torch.distributed code: process group and THE count all-reduce, DDP/FSDP2,
                sharded state, spawned gloo ranks
 - ``models``   TinyGPT and Hugging Face causal LMs, and the sampling loop they share

@@ -9,7 +9,7 @@ finished or interrupted run, without a GPU or a process group:
 
 The target is a new or empty directory, or an earlier export (which is replaced); anything else is
 refused before anything is written: the current directory, the run itself or anything in it but its
-``final/``, someone else's files (the rule and its reasons: ``gradnorm.trainer.outpaths``). Bad input is
+``final/``, someone else's files (the rule and its reasons: ``gradnorm.trainer.guards.outpaths``). Bad input is
 one ``error:`` line and exit code 2, as for the trainer; a failed write is exit code 1.
 
 and then, anywhere (vLLM, lm-eval, transformers...):
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import sys
 
-from gradnorm.trainer.checkpoints import export_checkpoint, save_trained, write_pretrained  # noqa: F401 (the API)
-from gradnorm.trainer.config import OneLineParser  # the trainer's: one error: line, exit code 2
+from gradnorm.trainer.checkpoint.export import export_checkpoint, save_trained, write_pretrained# noqa: F401 (the API)
+from gradnorm.cli.oneline import OneLineParser  # the trainer's too: one error: line, exit code 2
 
 
 def main(argv: list[str] | None = None) -> int:

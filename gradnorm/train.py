@@ -22,7 +22,7 @@ Run it from the repository root (after ``make install`` or ``pip install -e .``)
 ``--help`` documents every flag (they come from ``gradnorm.trainer.config.TrainConfig``). Rank 0
 alone prints and writes ``output-dir/``: ``config.json``, ``metrics.jsonl`` (one JSON object per
 optimizer step), ``warmup.json`` and ``learning_curve.png``. Every rank writes its shards of
-``ckpt_step{N}/`` (gradnorm.trainer.checkpoints: sharded, atomic, resumable on any W and --parallel), and a
+``ckpt_step{N}/`` (gradnorm.trainer.checkpoint: sharded, atomic, resumable on any W and --parallel), and a
 Hugging Face run ends with its policy in ``final/`` (gradnorm.export, ``from_pretrained``-ready).
 
 One optimizer step (S = prompts-per-step * group-size sequences, the same for every W):
@@ -35,15 +35,15 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     replicated has every rank sample all of it. On CPU each process runs with --cpu-threads
     threads (1 by default) because matmuls round differently with different thread counts, and a
     one-ulp difference in a logit can flip a sampled token between W=1 and W=2.
- 2. Shard. ``sharding.make_plan(--shard, lengths, W, A)`` assigns sequences to ranks and
-    microbatches; each rank keeps plan[rank].
- 3. Accumulate. ``step.counts_for`` counts this rank's response tokens and all-reduces the count
-    vector ONCE (``dist.comm.global_counts``: the fix; skipped by local and a constant, which need
-    no counts); ``step.backward`` (``core.accumulate.accumulate_gradients``) backpropagates each
-    microbatch's weighted loss with those counts, under DDP's no_sync except the last. A
-    microbatch's forward runs in chunks of rows of similar response length, each cut to its
-    longest response (``policy.score_by_length``): the same log-probs inside the response mask,
-    without most of the padding.
+ 2. Shard. ``step.plan_for`` (``core.sharding``) assigns sequences to ranks and microbatches
+    from the global lengths, the same plan on every rank; each rank keeps plan[rank].
+ 3. Accumulate: the fix, two calls in the loop below. ``comm.global_counts`` all-reduces this
+    rank's token counts ONCE (skipped by local and a constant, which need no counts), and
+    ``accumulate_gradients`` (``core.accumulate``) backpropagates each microbatch's loss, every
+    token weighted by those global counts times W (``core.denominators.rank_weights`` derives
+    it), under DDP's no_sync except the last. A microbatch's forward runs in chunks of rows of
+    similar response length, each cut to its longest response (``chunks.score_by_length``): the
+    same log-probs inside the response mask, without most of the padding.
  4. Step. Clip the global gradient norm (the logged grad_norm is the norm before clipping, the
     same on every rank after DDP's all-reduce). One more all-reduce, of 6 float64 sums (J, tokens,
     pg loss, KL, clipped tokens, entropy) followed by each rank's stop vote, comes back as a
@@ -52,10 +52,12 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     separate from the normalization's count all-reduce. Then AdamW steps, or every rank skips a
     step whose loss or gradient is not finite.
  5. Log and checkpoint. A last tiny all-reduce (MAX of 3 floats) gives the slowest rank's phase
-    times: where a step's time goes (``gradnorm.trainer.run.PhaseTimer``: time_rollout_s,
+    times: where a step's time goes (``gradnorm.trainer.rundir.phases.PhaseTimer``: time_rollout_s,
     time_forward_backward_s, ...) is logged every step. After SIGTERM or SIGINT (to torchrun or to
     any one rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a
-    second signal exits at once (``gradnorm.trainer.guards``, Preemption).
+    second signal exits at once (``gradnorm.trainer.guards.preemption``). The run log
+    (``rundir.runlog.RunLog``) owns the phase times, metrics.jsonl, the console and the loggers;
+    the checkpointer (``checkpoint.checkpointer.Checkpointer``) decides when to save.
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
 
@@ -75,7 +77,7 @@ Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
     and the clip never fires. --minibatches-per-rollout and --epochs give PPO-style reuse (GRPO's
     mu iterations); old log-probs are then computed once per rollout, before any update, and each
     rank scores 1/W of the rows, balanced by cost, then sends every row's log-probs to the rank
-    that trains on it (``step.score``), as it does the reference's.
+    that trains on it (``scoring.score``), as it does the reference's.
  7. Constant learning rate, no schedule; groups whose rewards are all equal simply get zero
     advantage (no dynamic sampling as in DAPO).
 """
@@ -99,24 +101,31 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from tqdm import tqdm
 
-from gradnorm.dist import comm
-from gradnorm.trainer import checkpoints, guards, run as runfiles, step as steps
+from gradnorm.core.accumulate import accumulate_gradients
+from gradnorm.core.errors import first_line
+from gradnorm.core.sharding import passes
+from gradnorm.dist import comm, wrap
+from gradnorm.trainer import scoring, start, step as steps
+from gradnorm.trainer.checkpoint import export, store
+from gradnorm.trainer.checkpoint.checkpointer import Checkpointer, RunState, saved_record
 from gradnorm.trainer.config import TrainConfig, parse_config
-from gradnorm.trainer.policy import build_policy, wrap_for_training
+from gradnorm.trainer.guards import failures, launch, memory, preemption, preflight
+from gradnorm.trainer.policy import build_policy
+from gradnorm.trainer.record import record
 from gradnorm.trainer.rollout import generate_rollout
+from gradnorm.trainer.rundir import history, lock
+from gradnorm.trainer.rundir.runlog import RunLog
 
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. too many non-finite steps in a row); main prints it in one line."""
 
 
-def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> None:
+def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: RunState) -> None:
     """Build, then run the five steps of the module docstring for every optimizer step."""
     U = cfg.updates_per_rollout
-    out = Path(cfg.output_dir)
-    task, policy = build_policy(cfg, ctx.device, ctx.world_size, guards.local_ranks())
+    task, policy = build_policy(cfg, ctx.device, ctx.world_size, launch.local_ranks())
     model = policy.model
     # bf16 autocast around every forward pass (never the backward); log-softmax, loss weights and
     # statistics stay fp32/fp64 and counts int64 inside it, so the normalization is unchanged.
@@ -125,172 +134,145 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None) -> No
     def autocast():
         return contextlib.nullcontext() if amp_dtype is None else torch.autocast(ctx.device.type, dtype=amp_dtype)
 
-    state = checkpoints.start_or_resume(cfg, policy, task, ckpt_path, autocast)
+    start.start_or_resume(run, cfg, policy, task, ckpt_path, autocast)
     ref = None
     if cfg.beta > 0:  # the frozen reference: the policy after warm-up (on resume, the checkpoint's)
         ref = copy.deepcopy(model).requires_grad_(False).eval()
     # What the training forward goes through: DDP around the model, or the model itself (FSDP2
     # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
-    dp_model = wrap_for_training(policy, cfg.parallel, ctx)
+    dp_model = wrap.wrap_policy(model, cfg.parallel, ctx, blocks=policy.blocks())
     if not cfg.builtin:
         comm.print0(f"sampling: {policy.decoding(task.block_size)}")
         comm.print0(f"training forward: {policy.scoring(dp_model)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if ckpt_path is not None:  # weights, AdamW state, reference and RNGs, resharded to this W and --parallel
-        checkpoints.load_checkpoint(ckpt_path, model, opt, ref, ctx)
-        comm.print0(f"resumed from {ckpt_path} at step {state.step}")
+    checkpointer = Checkpointer(cfg, model, opt, ref, ctx)  # when to save, and saving
+    if ckpt_path is not None:
+        checkpointer.load(ckpt_path)
+        comm.print0(f"resumed from {ckpt_path} at step {run.step}")
 
-    # rank 0 writes the run's files (the directory is locked and an old run set aside by main)
-    metrics = runfiles.open_run_files(out, cfg, ctx.world_size, state.step, state.warmup,
-                                      checkpoints.saved_record(ckpt_path)) if ctx.is_main else None
-    reporters = runfiles.open_reporters(cfg, out, ctx.world_size, state.step) if ctx.is_main else None  # --report-to
-    bar = tqdm(total=cfg.steps, initial=state.step, disable=not (ctx.is_main and sys.stderr.isatty()),
-               desc="GRPO", dynamic_ncols=True)
-    elapsed0 = state.elapsed_s
-    timer = runfiles.PhaseTimer(ctx.device)  # laps between the numbered steps: where a step's time goes
-    t0 = t_prev = timer.last
     rollout = old_logp = ref_logp = None
-    for step in range(state.step + 1, cfg.steps + 1):
-        # 1. Rollout: sampled once per rollout batch, then reused by its U updates.
-        j = (step - 1) % U  # which update of the current rollout batch this is
-        if j == 0 or rollout is None:
-            # sharded: this rank samples its share of the groups, then one all_gather; replicated: all of them
-            share = dict(rank=ctx.rank, world_size=ctx.world_size) if cfg.rollouts == "sharded" else {}
-            with autocast():
-                rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
-                                           group_size=cfg.group_size, seed=cfg.seed, step=step - j,
-                                           temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
-            timer.lap("rollout")
-            # log-probs of the sampling policy (needed once samples are reused) and of the reference:
-            # each rank scores 1/W of the batch, then one all-to-all gives it those of the rows it
-            # trains on (FSDP2 ranks call in lockstep)
-            shares = steps.shares(rollout, cfg, ctx.world_size)
-            with torch.no_grad(), autocast():
-                old_logp, ref_logp = steps.score(policy, [model if U > 1 else None, ref], rollout, shares, ctx.rank,
-                                                 cfg.pack)
-            timer.lap("scoring")
-        k = j % cfg.minibatches_per_rollout  # which minibatch of the rollout batch this step trains on
-        rows = slice(k * cfg.sequences_per_step, (k + 1) * cfg.sequences_per_step)
-        batch = steps.Minibatch(rollout=rollout.groups(k * cfg.prompts_per_step, cfg.prompts_per_step),
-                                old_logp=None if old_logp is None else old_logp[rows],
-                                ref_logp=None if ref_logp is None else ref_logp[rows],
-                                rollout_digest=rollout.digest(), pad_id=policy.pad_id)
+    with RunLog(cfg, ctx, run, saved_record(ckpt_path)) as log:  # phase times, metrics.jsonl, console
+        for step in run.steps(cfg.steps):
+            # 1. Rollout: sampled once per rollout batch, then reused by its U updates.
+            j = (step - 1) % U  # which update of the current rollout batch this is
+            if j == 0 or rollout is None:
+                with log.phase("rollout"), autocast():
+                    # sharded: this rank samples its share of the groups, then one all_gather; replicated: all
+                    share = dict(rank=ctx.rank, world_size=ctx.world_size) if cfg.rollouts == "sharded" else {}
+                    rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
+                                               group_size=cfg.group_size, seed=cfg.seed, step=step - j,
+                                               temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
+                # log-probs of the sampling policy (needed once samples are reused) and of the reference:
+                # each rank scores 1/W of the batch, then one all-to-all gives it those of the rows it
+                # trains on (FSDP2 ranks call in lockstep)
+                with log.phase("scoring"), torch.no_grad(), autocast():
+                    old_logp, ref_logp = scoring.score(policy, [model if U > 1 else None, ref], rollout,
+                                                       scoring.shares(rollout, cfg, ctx.world_size), ctx.rank, cfg.pack)
 
-        # 2. Shard: this rank's microbatches of the global minibatch.
-        plan = steps.plan_for(batch, cfg, ctx.world_size)
-        opt.zero_grad(set_to_none=True)
-        timer.lap("shard")
-        # 3. Accumulate: THE all-reduce of counts (the fix), then every microbatch's backward.
-        counts = steps.counts_for(batch, plan, cfg, ctx.rank)
-        timer.lap("counts")
-        sums = steps.backward(policy, dp_model, batch, plan, counts, cfg, ctx, autocast)
-        timer.lap("forward_backward")
+            # 2. Shard: this rank's microbatches of the global minibatch.
+            with log.phase("shard"):
+                k = j % cfg.minibatches_per_rollout  # which minibatch of the rollout batch this step trains on
+                span = slice(k * cfg.sequences_per_step, (k + 1) * cfg.sequences_per_step)
+                batch = steps.Minibatch(rollout=rollout.groups(k * cfg.prompts_per_step, cfg.prompts_per_step),
+                                        old_logp=None if old_logp is None else old_logp[span],
+                                        ref_logp=None if ref_logp is None else ref_logp[span],
+                                        rollout_digest=rollout.digest(), pad_id=policy.pad_id)
+                rows, plan = batch.rollout, steps.plan_for(batch, cfg, ctx.world_size)
+                opt.zero_grad(set_to_none=True)
 
-        # 4. Step: clip the global norm; one all-reduce of the statistics (and the ranks' stop
-        # votes); skip the update on every rank if anything is non-finite.
-        grad_norm = steps.clip(policy, cfg.max_grad_norm)
-        stats = steps.reduce_stats(sums, with_kl=cfg.beta > 0)
-        steps.apply_or_skip(opt, grad_norm, stats, state, step, cfg.max_skipped_steps)
-        timer.lap("optimizer")
+            # 3. Accumulate. THE FIX: one all-reduce of this rank's token counts gives every rank the
+            # minibatch's global counts (N, and per sequence and group; none for local and a constant) ...
+            with log.phase("counts"):
+                counts = comm.global_counts(plan[ctx.rank], rows.lengths, rows.group_ids, rows.num_groups, cfg.denominator)
+            # ... and each microbatch's backward weights its tokens by them, times W to undo DDP's mean
+            # (core.denominators.rank_weights derives it); a rank with fewer microbatches runs idle passes.
+            with log.phase("forward_backward"):
+                sums = accumulate_gradients(dp_model, plan[ctx.rank], rows.mask, rows.group_ids, counts, cfg.denominator,
+                                            steps.token_losses(policy, dp_model, batch, plan, cfg, ctx.world_size,
+                                                               autocast),
+                                            ctx.world_size, num_passes=passes(plan))
 
-        # 5. Log (rank 0) and checkpoint.
-        now = timer.last  # the step ends at its last lap, so its phase times add up to its wall time
-        line = steps.record(step, stats, grad_norm, batch, plan, state.skipped, cfg, with_skew=ctx.is_main)
-        line.update(tokens_per_second=stats.tokens / max(now - t_prev, 1e-9), elapsed_s=elapsed0 + now - t0,
-                    **runfiles.timing_fields(ctx.device))
-        line.update(timer.split(comm.all_reduce_max))  # rank 0's laps, and the max over ranks (a tiny all-reduce)
-        t_prev = now
-        state.step, state.elapsed_s = step, line["elapsed_s"]
-        if ctx.is_main:
-            runfiles.write_record(metrics, bar, line, cfg)
-            if reporters is not None:
-                reporters.log(line)
-        timer.lap("log")
-        stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
-        # A stop at the first chance of an --overwrite run (Ctrl-C right after an accidental
-        # --overwrite, during warm-up) writes no checkpoint: its first one would delete the old run,
-        # which main's RunDir puts back instead. The same decision on every rank (stop is agreed).
-        abandon = bool(stop) and cfg.overwrite and step == U and step < cfg.steps
-        if not abandon and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0) or stop):
-            if ctx.is_main:  # the lines a checkpoint covers are on disk before it is (a crash tears neither)
-                runfiles.sync(metrics)
-            checkpoints.save_checkpoint(out, model, opt, ref, state, ctx, record=line)
-        timer.lap("checkpoint")
-        if stop and step < cfg.steps:
-            raise guards.Stopped(stop, step, None if abandon else checkpoints.checkpoint_dir(out, step))
-        if state.in_a_row >= cfg.max_skipped_steps:
-            raise TrainingError(f"{state.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}); "
-                                "the weights are unchanged since step " f"{step - state.in_a_row}: lower --lr or "
-                                "check the reward, or raise --max-skipped-steps")
-    bar.close()
-    comm.print0(f"last checkpoint written in {timer.peek('checkpoint'):.2f} s (each line of metrics.jsonl has the one before it)")
-    if cfg.export_dir is not None:  # the trained Hugging Face policy, loadable with from_pretrained
-        checkpoints.save_trained(model, task.tokenizer_hf, cfg.export_dir, ctx.is_main)
-    if ctx.is_main:
-        metrics.close()
-        runfiles.summarize(out, cfg.plot)
-        if reporters is not None:
-            reporters.close(figure=out / "learning_curve.png" if cfg.plot else None)
+            # 4. Step: clip the global norm; one all-reduce of the statistics (and the ranks' stop
+            # votes); skip the update on every rank if anything is non-finite.
+            with log.phase("optimizer"):
+                grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # the norm before clipping
+                stats = steps.reduce_stats(sums, with_kl=cfg.beta > 0)
+                steps.apply_or_skip(opt, grad_norm, stats, run, step, cfg.max_skipped_steps)
+
+            # 5. Log (rank 0) and checkpoint (every rank its shards).
+            with log.phase("log"):
+                line = log.step(record(step, stats, grad_norm, batch, plan, run.skipped, cfg, with_skew=ctx.is_main),
+                                tokens=stats.tokens)
+            stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
+            with log.phase("checkpoint"):
+                saved = checkpointer.save(run, stop, record=line, before=log.sync)
+            if stop and step < cfg.steps:
+                raise preemption.Stopped(stop, step, saved)
+            if run.in_a_row >= cfg.max_skipped_steps:
+                raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step "
+                                    f"{step}); the weights are unchanged since step {step - run.in_a_row}: lower --lr "
+                                    "or check the reward, or raise --max-skipped-steps")
+        if cfg.export_dir is not None:  # the trained Hugging Face policy, loadable with from_pretrained
+            export.save_trained(model, task.tokenizer_hf, cfg.export_dir, ctx.is_main)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Check everything, lock the run directory, train; 0, or 2 for bad input and 1 for a failed run."""
-    rank, run_dir = guards.error_rank(), None
+    rank, run_dir = launch.error_rank(), None
     try:  # every rank checks the same flags, files and environment, before any model exists
-        rank, world_size = guards.launch_environment()
+        rank, world_size = launch.launch_environment()
         cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
-        guards.check_inputs(cfg)
-        runfiles.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite)
-        ckpt_path = runfiles.resume_point(cfg)
-        guards.check_fits(cfg, world_size, guards.device_of(cfg), sharing=guards.local_ranks())
+        preflight.check_inputs(cfg)
+        lock.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite)
+        ckpt_path = history.resume_point(cfg)
+        memory.check_fits(cfg, world_size, launch.device_of(cfg), sharing=launch.local_ranks())
         if rank == 0:  # rank 0 alone writes output-dir
-            run_dir = runfiles.RunDir(cfg.output_dir)
+            run_dir = lock.RunDir(cfg.output_dir)
             run_dir.open(cfg.resume, cfg.overwrite)
     except ValueError as err:
         if run_dir is not None:
             run_dir.close(succeeded=False)
-        guards.report_error(str(err), rank)
+        failures.report_error(str(err), rank)
         return 2
-    succeeded = False
+    succeeded, run = False, RunState()  # the run's counters: main reports a failure at run.in_flight
     try:
         torch.set_num_threads(cfg.cpu_threads)
         try:
             ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
                              device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
         except (RuntimeError, ValueError) as err:  # the rendezvous failed (address, port, a peer that never came)
-            guards.report_error(f"could not join the process group ({guards.first_line(err)})", rank)
+            failures.report_error(f"could not join the process group ({first_line(err)})", rank)
             return 1
         try:
-            train(cfg, ctx, ckpt_path)
+            train(cfg, ctx, ckpt_path, run)
             succeeded = True
-        except guards.InputError as err:  # bad input that needed the model to be seen: like preflight's
-            guards.report_error(str(err), ctx.rank)
+        except failures.InputError as err:  # bad input that needed the model to be seen: like preflight's
+            failures.report_error(str(err), ctx.rank)
             return 2
-        except (ValueError, TrainingError, checkpoints.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
+        except (ValueError, TrainingError, store.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
             # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
-            step = None if isinstance(err, TrainingError) else guards.failed_step(err, train.__code__)  # it says
-            message = guards.explain(err, ctx.device, step)
+            step = None if isinstance(err, TrainingError) else run.in_flight  # a TrainingError names its step
+            message = failures.explain(err, ctx.device, step)
             comm.post_error(message)  # ranks waiting for this one in a collective learn it now, not after --timeout-s
-            guards.report_error(message, ctx.rank)
+            failures.report_error(message, ctx.rank)
             return 1
         except RuntimeError as err:  # a collective failed: a peer failed (and said why), died, or hangs
-            if guards.out_of_memory(err):  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
-                message = guards.explain(err, ctx.device, guards.failed_step(err, train.__code__))
+            if failures.out_of_memory(err):  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
+                message = failures.explain(err, ctx.device, run.in_flight)
                 comm.post_error(message)
-                guards.report_error(message, ctx.rank)
+                failures.report_error(message, ctx.rank)
                 return 1
             if not comm.is_collective_failure(err):
                 raise
-            step = guards.failed_step(err, train.__code__)
-            guards.report_error(guards.peer_failure(comm.posted_errors(ctx.world_size), err, ctx.rank, ctx.world_size,
-                                                    cfg.timeout_s, step), ctx.rank)
+            step = run.in_flight
+            failures.report_error(failures.peer_failure(comm.posted_errors(ctx.world_size), err, ctx.rank,
+                                                        ctx.world_size, cfg.timeout_s, step), ctx.rank)
             return 1
-        except guards.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
+        except preemption.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
             if ctx.is_main:
                 print(stopped, file=sys.stderr, flush=True)
             return stopped.exit_code
         finally:
-            runfiles.close_reporters()  # a failed or stopped run's loggers too
             comm.teardown()
     finally:
         if run_dir is not None:
@@ -299,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with guards.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
+    with preemption.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
         code = main()
     if comm.launched_by_torchrun():
         # Skip interpreter finalization under torchrun. A gloo worker thread may still be dropping

@@ -4,8 +4,8 @@ test modules, like skipping.py)."""
 import subprocess
 from pathlib import Path
 
-from gradnorm.trainer.curves import read_metrics
-from gradnorm.trainer.run import TIMING_KEYS
+from gradnorm.trainer.rundir.curves import read_metrics
+from gradnorm.trainer.rundir.metrics import TIMING_KEYS
 
 
 def metrics(out: Path) -> list[dict]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.audit import conventions, probe as audit
+from gradnorm.audit import contract, conventions, decide
 from gradnorm.audit.cli import main
 from gradnorm.core.sharding import SHARD_KINDS
 from audit_command import run, verdict_of  # tests/audit_command.py
@@ -84,7 +84,7 @@ SIGN = "your loss rises where the advantage is positive"
 
 @pytest.mark.parametrize("loss", [returns_the_objective, swaps_logp_and_old_logp])
 def test_a_loss_with_the_wrong_sign_fails_and_says_why(loss):
-    report = audit.audit(loss, (2,), (4,), ("interleave",))
+    report = decide.audit(loss, (2,), (4,), ("interleave",))
     torch.testing.assert_close(report.results[0].weights[report.batch.mask],
                                -torch.ones(int(report.batch.mask.sum()), dtype=torch.float64) / report.batch.mask.sum())
     assert report.invariant and report.wrong_sign and report.exit_code == 1
@@ -98,7 +98,7 @@ def test_the_command_exits_1_with_one_line_that_names_the_sign(capsys):
     assert "INVARIANT" not in line
     code, out, _ = run(capsys, f"{__name__}:the_fix", *SMALL)  # the control
     assert code == 0 and SIGN not in out and verdict_of(out).startswith("verdict: INVARIANT")
-    assert not audit.audit(the_fix, (2,), (4,), ("interleave",)).wrong_sign
+    assert not decide.audit(the_fix, (2,), (4,), ("interleave",)).wrong_sign
 
 
 # --- 2. loading a file ---------------------------------------------------------------------------
@@ -149,10 +149,10 @@ def test_a_file_with_a_dataclass_and_a_neighbour_loads_from_anywhere(tmp_path, m
 
 def test_a_loaded_file_is_a_registered_module_under_a_name_of_its_own(tmp_path):
     path = write_loss_file(tmp_path / "c", 1.0)
-    with audit.imported_loss(f"{path}:loss") as fn:
+    with contract.imported_loss(f"{path}:loss") as fn:
         assert sys.modules[fn.__module__].__file__ == str(path)
         assert fn.__module__ not in ("loss", "__main__")
-        assert audit.audit(fn, (2,), (1,), ("interleave",)).equals == "token"  # the lazy import works here
+        assert decide.audit(fn, (2,), (1,), ("interleave",)).equals == "token"  # the lazy import works here
     assert fn.__module__ not in sys.modules
 
 
@@ -162,8 +162,8 @@ def test_one_process_with_one_microbatch_is_refused(capsys):
     code, out, err = run(capsys, f"{__name__}:the_fix", "--world-size", "1", "--accum-steps", "1")
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: nothing to compare"), err
-    with pytest.raises(audit.ContractError, match="nothing to compare"):
-        audit.audit(the_fix, (1,), (1,))
+    with pytest.raises(contract.ContractError, match="nothing to compare"):
+        decide.audit(the_fix, (1,), (1,))
     code, out, err = run(capsys, f"{__name__}:the_fix", "--world-size", "1", "--accum-steps", "2")  # the control
     assert code == 0 and err == ""
 
@@ -196,12 +196,12 @@ def test_when_w_equals_a_both_readings_are_given(capsys):
 
 def test_controls_get_no_factor():
     for loss in (the_fix, conventions.sequence_mean_then_batch_mean, conventions.token_sum_over_constant):
-        report = audit.audit(loss, (2,), (4,))
+        report = decide.audit(loss, (2,), (4,))
         assert report.equals and report.near is None and report.exit_code == 0
-    near = audit.audit(without_world_size, (2,), (4,)).near
+    near = decide.audit(without_world_size, (2,), (4,)).near
     assert (near.mode, near.scale, near.powers) == ("token", pytest.approx(1.0), ((-1, 0),))
     # A loss that reads padding is no mode times anything: the factor stays unsaid.
-    leaky = audit.audit(_reads_padding, (2,), (4,))
+    leaky = decide.audit(_reads_padding, (2,), (4,))
     assert leaky.equals is None and leaky.near is None
 
 
@@ -218,22 +218,22 @@ def test_a_loss_skewed_only_by_unequal_sequence_counts_is_told_so(capsys):
     code, out, err = run(capsys, f"{__name__}:sequence_mean_per_microbatch", "--world-size", "8", "--accum-steps", "4")
     assert code == 1 and err == ""
     line = verdict_of(out)
-    report = audit.audit(sequence_mean_per_microbatch, (8,), (4,))
+    report = decide.audit(sequence_mean_per_microbatch, (8,), (4,))
     assert report.skewed_only_by_unequal_counts and report.equals_at_equal_counts == "sequence"
     assert f"{EQUAL}, where it equals gradnorm's `sequence`" in line
     assert f"skewed by up to {report.change:.1%} when they do not (token-budget microbatches" in line
     assert "--sharding interleave contiguous length" in line
-    # The catalogue's mean of sequence means prints the same line, as the README pastes it.
+    # The catalogue's mean of sequence means prints the same line, as docs/audit.md pastes it.
     _, out, _ = run(capsys, "gradnorm.audit.conventions:microbatch_mean_of_sequence_means", "--world-size", "8",
                     "--accum-steps", "4")
-    assert f"```text\n{verdict_of(out)}\n```" in (ROOT / "README.md").read_text()
+    assert f"```text\n{verdict_of(out)}\n```" in (ROOT / "docs" / "audit.md").read_text()
 
 
 @pytest.mark.parametrize("loss", [conventions.microbatch_token_mean, the_fix])
 def test_controls_skewed_everywhere_or_nowhere_are_not_told_so(loss, capsys):
     _, out, _ = run(capsys, f"{loss.__module__}:{loss.__name__}", *SMALL)
     assert EQUAL not in out
-    assert not audit.audit(loss, (2,), (4,)).skewed_only_by_unequal_counts
+    assert not decide.audit(loss, (2,), (4,)).skewed_only_by_unequal_counts
 
 
 def test_help_says_what_every_sharding_does(capsys):

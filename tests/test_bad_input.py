@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gradnorm.trainer.guards import TORCHRUN_VARS
+from gradnorm.trainer.guards.launch import TORCHRUN_VARS
 from gradnorm.train import main
 from gradnorm.trainer.config import TrainConfig
 

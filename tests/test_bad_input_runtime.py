@@ -17,15 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from gradnorm.trainer import checkpoints as checkpointing, guards as memory, guards as preflight
+from gradnorm.trainer.checkpoint import checkpointer
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.guards import launch
+from gradnorm.trainer.guards import memory
 from gradnorm import train as train_module
-from gradnorm.trainer import step as trainer_step
+from gradnorm.trainer import step
 from gradnorm.tasks.rewards import RewardError, call_reward
-from gradnorm.trainer.run import RunDir
+from gradnorm.trainer.rundir.lock import RunDir
 from gradnorm.tasks import RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer.run import open_metrics, write_record
-from gradnorm.trainer.checkpoints import RUN_FIELDS
+from gradnorm.trainer.rundir.metrics import open_metrics, write_record
+from gradnorm.trainer.checkpoint.checkpointer import RUN_FIELDS
 from gradnorm.train import main
 from gradnorm.trainer.config import CHANGEABLE_ON_RESUME
 from gradnorm.trainer.config import TrainConfig, field_docs, parse_config
@@ -86,8 +89,8 @@ def test_an_error_in_a_step_is_one_line_with_the_step_and_the_checkpoints_stay(e
     assert run_main(out, "--steps", "4", "--save-every", "1") == 1
     one_error_line(capsys.readouterr().err, says)
     assert sorted(p.name for p in out.iterdir() if "ckpt" in p.name) == ["ckpt_step1", "ckpt_step2"]  # no .tmp
-    assert checkpointing.read_run_state(out / "ckpt_step2", required=RUN_FIELDS)["step"] == 2
-    assert checkpointing.read_tensors(out / "ckpt_step2", "model")  # complete: its tensors load
+    assert store.read_run_state(out / "ckpt_step2", required=RUN_FIELDS)["step"] == 2
+    assert store.read_tensors(out / "ckpt_step2", "model")  # complete: its tensors load
     assert not (out / ".lock").exists()
 
 
@@ -100,7 +103,7 @@ def test_a_fresh_run_that_fails_before_its_first_step_leaves_nothing(tmp_path, m
 
 
 def test_a_non_finite_step_prints_null_instead_of_crashing(tmp_path, monkeypatch, capsys):
-    honest, calls = trainer_step.grpo_token_losses, []
+    honest, calls = step.grpo_token_losses, []
 
     def poisoned(*args, **kwargs):  # step 2's loss is NaN: the step is skipped and logged as null
         calls.append(None)
@@ -109,7 +112,7 @@ def test_a_non_finite_step_prints_null_instead_of_crashing(tmp_path, monkeypatch
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(trainer_step, "grpo_token_losses", poisoned)
+    monkeypatch.setattr(step, "grpo_token_losses", poisoned)
     assert run_main(tmp_path / "run", "--steps", "3", "--log-every", "1") == 0
     captured = capsys.readouterr()
     assert "step 2/3 reward" in captured.out and "loss null grad_norm null" in captured.out, captured.out
@@ -161,7 +164,7 @@ def test_open_metrics_drops_torn_and_foreign_lines_with_a_warning(tmp_path, caps
 
 def test_metrics_lines_are_on_disk_before_the_checkpoint_that_covers_them(tmp_path, monkeypatch):
     """Before, metrics.jsonl was flushed, never fsynced: a power cut could keep a checkpoint and tear its line."""
-    events, honest_fsync, honest_save = [], os.fsync, checkpointing.save_checkpoint
+    events, honest_fsync, honest_save = [], os.fsync, checkpointer.save_checkpoint
 
     def fsync(fd):
         events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
@@ -172,7 +175,7 @@ def test_metrics_lines_are_on_disk_before_the_checkpoint_that_covers_them(tmp_pa
         honest_save(out, model, opt, ref, state, ctx, **kwargs)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(checkpointing, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", save_checkpoint)
     out = tmp_path / "run"
     assert run_main(out, "--steps", "3", "--save-every", "2") == 0
     saves = [i for i, event in enumerate(events) if event[0] == "save"]
@@ -210,7 +213,7 @@ def test_resume_recreates_missing_metrics_and_records_what_changed(tmp_path, cap
 
 
 def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_path, monkeypatch):
-    from gradnorm.trainer.run import compare_resumed
+    from gradnorm.trainer.rundir.history import compare_resumed
 
     monkeypatch.chdir(ROOT)
     (tmp_path / "model").mkdir()
@@ -235,7 +238,7 @@ def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_
 def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     assert run_main(out, "--steps", "2") == 0
-    old = checkpointing.read_tensors(out / "ckpt_step2", "model")
+    old = store.read_tensors(out / "ckpt_step2", "model")
     seen = rollout_raises(monkeypatch, 99, ValueError("never"), watch=out)
     assert run_main(out, "--steps", "2", "--seed", "5", "--save-every", "1", "--overwrite") == 0
     assert "the previous run in" in capsys.readouterr().err
@@ -246,7 +249,7 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path
     assert seen[1][1] == [".lock", "ckpt_step1", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
     assert seen[0][2] == seen[1][2] == old_run
     assert sorted(os.listdir(out)) == ["ckpt_step1", "ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]
-    new = checkpointing.read_tensors(out / "ckpt_step2", "model")  # the new run's, not the old one kept
+    new = store.read_tensors(out / "ckpt_step2", "model")  # the new run's, not the old one kept
     assert new.keys() == old.keys() and any(not torch.equal(new[k], old[k]) for k in old)
     assert json.loads((out / "config.json").read_text())["seed"] == 5
 
@@ -316,10 +319,10 @@ def test_a_reward_that_misbehaves_is_named_with_its_sequence(value, says):
 ])
 def test_launch_environment(environ, expected):
     if isinstance(expected, tuple):
-        assert preflight.launch_environment(environ) == expected
+        assert launch.launch_environment(environ) == expected
     else:
         with pytest.raises(ValueError, match=expected.replace("(", "\\(")):
-            preflight.launch_environment(environ)
+            launch.launch_environment(environ)
 
 
 def test_every_flag_changeable_on_resume_says_so_in_its_docstring():

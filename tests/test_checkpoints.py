@@ -44,7 +44,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpoints as checkpointing
+from gradnorm.trainer.checkpoint import store
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 from gradnorm.train import main
@@ -73,14 +73,14 @@ def fail_in_dcp_writer(monkeypatch, step: int) -> None:
 
 def fail_in_publish(monkeypatch, step: int) -> None:
     """Rank 0 cannot write trainer_state.json into ``.ckpt_step{step}.tmp`` (a permission error)."""
-    honest = checkpointing._write_synced
+    honest = store._write_synced
 
     def denied(path, text):
         if f"ckpt_step{step}." in str(path):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         honest(path, text)
 
-    monkeypatch.setattr(checkpointing, "_write_synced", denied)
+    monkeypatch.setattr(store, "_write_synced", denied)
 
 
 @pytest.mark.parametrize("fault, says", [(fail_in_dcp_writer, "No space left on device"),
@@ -115,7 +115,7 @@ def test_a_resumed_run_restores_the_reference_policy_and_the_optimizer(tmp_path)
     for got, want in zip(metrics(resumed)[2:], metrics(full)[2:]):
         assert want["kl"] > 0
         assert_close(got["kl"], want["kl"], rtol=1e-5, atol=0)
-    want, got = (checkpointing.read_tensors(out / "ckpt_step4", "model") for out in (full, resumed))
+    want, got = (store.read_tensors(out / "ckpt_step4", "model") for out in (full, resumed))
     for key in want:
         assert torch.equal(got[key], want[key]), key
 
@@ -170,7 +170,7 @@ def test_the_export_command_says_in_one_line_what_it_cannot_convert(config, says
 def real_checkpoint(directory: Path) -> Path:
     model = TinyGPT(GPTConfig(8, 8, 1, 2, 8))
     opt = torch.optim.AdamW(model.parameters())
-    return checkpointing.save(directory, 1, dist_state.training_state(model, opt), {"step": 1}, rank=0)
+    return store.save(directory, 1, dist_state.training_state(model, opt), {"step": 1}, rank=0)
 
 
 class Exec:
@@ -291,7 +291,7 @@ def runs(tmp_path_factory):
         killing.result()
     out["after the kill"] = {"entries": sorted(p.name for p in killed.iterdir() if "ckpt" in p.name),
                              "torn": sorted(p.name for p in (killed / ".ckpt_step4.tmp").iterdir()),
-                             "latest": checkpointing.latest_checkpoint(killed),
+                             "latest": store.latest_checkpoint(killed),
                              "metrics": metrics(killed)}
     launch(torchrun("gradnorm/train.py", killed, "fsdp", "--resume"), env)
     return out
@@ -308,8 +308,8 @@ def test_a_resumed_run_matches_the_uninterrupted_one_on_any_world_size_and_paral
     for got, want in zip(metrics(resumed)[2:], metrics(reference)[2:]):
         assert want["kl"] > 0  # the reference policy is in play, so a wrong one would show
         assert_close(got["kl"], want["kl"], rtol=1e-5, atol=1e-9)
-    want = checkpointing.read_tensors(reference / "ckpt_step4", "model")
-    got = checkpointing.read_tensors(resumed / "ckpt_step4", "model")
+    want = store.read_tensors(reference / "ckpt_step4", "model")
+    got = store.read_tensors(resumed / "ckpt_step4", "model")
     assert got.keys() == want.keys()
     for key in want:  # the weights after step 4's update, which no metric of step 4 sees
         assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=key)
@@ -332,7 +332,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_and_resume_skips
     assert after["latest"].name == "ckpt_step2"
     resumed = runs["ddp-to-fsdp2"]
     assert sorted(p.name for p in resumed.iterdir() if "ckpt" in p.name) == ["ckpt_step2", "ckpt_step4"]
-    assert checkpointing.read_run_state(resumed / "ckpt_step4", required=("step",))["step"] == 4
+    assert store.read_run_state(resumed / "ckpt_step4", required=("step",))["step"] == 4
 
 
 def logprobs_of(model, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -358,7 +358,7 @@ def test_the_exported_policy_reloads_with_transformers_and_scores_like_the_train
 
     trained = load_causal_lm(str(runs["model"]), tokenizer.pad_token_id)
     initial = logprobs_of(trained, tokens := torch.randint(4, 60, (4, 12), generator=torch.Generator().manual_seed(0)), 5)
-    trained.load_state_dict(checkpointing.read_tensors(runs["fsdp2"] / "ckpt_step4", "model"))
+    trained.load_state_dict(store.read_tensors(runs["fsdp2"] / "ckpt_step4", "model"))
     want = logprobs_of(trained, tokens, 5)
     assert_close(logprobs_of(exported, tokens, 5), want)  # the export is the trained policy...
     assert (want - initial).abs().max() > 1e-3  # ...and training moved it (a stale export would fail)

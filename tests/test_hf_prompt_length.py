@@ -29,7 +29,9 @@ from tiny_models import build_tiny_llama  # noqa: E402  (examples/, on the path 
 from gradnorm.models import hf  # noqa: E402
 from gradnorm.tasks.prompts import PromptTask  # noqa: E402
 from gradnorm.train import main  # noqa: E402
-from gradnorm.trainer import guards  # noqa: E402
+from gradnorm.trainer.guards import failures  # noqa: E402
+from gradnorm.trainer.guards import memory
+from gradnorm.trainer.guards import preflight
 from gradnorm.trainer.config import parse_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -92,15 +94,15 @@ def test_a_prompt_longer_than_the_context_alone_says_so_and_a_config_without_one
     shutil.copytree(real, short)
     set_context(short, P - 1)
     cfg = parse_config(flags(short, tmp_path / "out"))
-    with pytest.raises(guards.InputError, match="the prompt alone leaves no room for a response"):
-        guards.check_context(cfg, P)
+    with pytest.raises(failures.InputError, match="the prompt alone leaves no room for a response"):
+        preflight.check_context(cfg, P)
     import transformers
 
     transformers.GPT2Config(n_positions=P + R - 1).save_pretrained(tmp_path / "gpt2")  # its context is n_positions
     assert hf.context_length(str(tmp_path / "gpt2")) == ("n_positions", P + R - 1)
     transformers.BloomConfig().save_pretrained(tmp_path / "bloom")  # ALiBi: no position table, no stated context
     assert hf.context_length(str(tmp_path / "bloom")) is None
-    guards.check_context(parse_config(flags(tmp_path / "bloom", tmp_path / "out")), 10**6)
+    preflight.check_context(parse_config(flags(tmp_path / "bloom", tmp_path / "out")), 10**6)
 
 
 def kv_cache_bytes(cache) -> int:
@@ -124,10 +126,10 @@ def test_the_estimate_takes_the_longest_prompt_and_equals_the_real_kv_cache_and_
         prefill = model(input_ids=prompts, use_cache=True).logits  # (S, P, V): what generate's first call holds
         whole = model(input_ids=torch.cat([prompts, prompts[:, -R:]], dim=1), use_cache=True)  # the cache at P + R
     real_bytes = kv_cache_bytes(whole.past_key_values) + prefill.numel() * prefill.element_size()
-    shape = guards.model_shape(cfg, prompt_len=P)
-    assert shape["prompt_len"] == P and guards.model_shape(cfg)["prompt_len"] == 1  # the preflight's P = 1
-    assert guards.estimate(cfg, shape, 1, "cpu")["rollout"] == real_bytes
-    parts = [guards.estimate(cfg, guards.model_shape(cfg, prompt_len=p), 1, "cpu") for p in (1, P // 2, P)]
+    shape = memory.model_shape(cfg, prompt_len=P)
+    assert shape["prompt_len"] == P and memory.model_shape(cfg)["prompt_len"] == 1  # the preflight's P = 1
+    assert memory.estimate(cfg, shape, 1, "cpu")["rollout"] == real_bytes
+    parts = [memory.estimate(cfg, memory.model_shape(cfg, prompt_len=p), 1, "cpu") for p in (1, P // 2, P)]
     for name in ("rollout", "training", "eval"):
         assert parts[0][name] < parts[1][name] < parts[2][name], name  # every part that holds the prompt grows
 
@@ -140,17 +142,17 @@ def test_a_run_that_fits_only_at_prompt_length_1_is_refused_before_the_weights_l
     cfg = parse_config(flags(garbage, tmp_path / "a"))
 
     def need(prompt_len):
-        parts = guards.estimate(cfg, guards.model_shape(cfg, prompt_len=prompt_len), 1, "cpu")
+        parts = memory.estimate(cfg, memory.model_shape(cfg, prompt_len=prompt_len), 1, "cpu")
         return parts["static"] + max(v for k, v in parts.items() if k != "static")
 
-    monkeypatch.setattr(guards, "available", lambda device: need(P) - 1)
+    monkeypatch.setattr(memory, "available", lambda device: need(P) - 1)
     assert need(1) < need(P) - 1  # the preflight, at P = 1, lets it pass
     assert main(flags(garbage, tmp_path / "a")) == 2
     errors = error_lines(capsys)
-    assert len(errors) == 1 and f"needs at least {guards.size(need(P))} per rank on cpu" in errors[0], errors
+    assert len(errors) == 1 and f"needs at least {memory.size(need(P))} per rank on cpu" in errors[0], errors
     assert f"prompts of up to {P} tokens" in errors[0], errors
     # The control: one byte more passes the estimate, and the garbage weights are next.
-    monkeypatch.setattr(guards, "available", lambda device: need(P))
+    monkeypatch.setattr(memory, "available", lambda device: need(P))
     assert main(flags(garbage, tmp_path / "b")) == 1
     errors = error_lines(capsys)
     assert len(errors) == 1 and f"--model '{garbage}'" in errors[0] and "needs at least" not in errors[0], errors
@@ -161,8 +163,8 @@ def test_a_gpt2_config_is_measured_by_its_own_names_and_an_unknown_naming_is_not
     import transformers
 
     transformers.GPT2Config(n_embd=48, n_layer=3, n_head=4, vocab_size=101).save_pretrained(tmp_path / "gpt2")
-    shape = guards.model_shape(parse_config(flags(tmp_path / "gpt2", tmp_path / "out")), prompt_len=7)
+    shape = memory.model_shape(parse_config(flags(tmp_path / "gpt2", tmp_path / "out")), prompt_len=7)
     assert (shape["width"], shape["n_layer"], shape["kv_width"], shape["vocab"], shape["prompt_len"]) == (48, 3, 48, 101, 7)
     (tmp_path / "odd").mkdir()  # the control: names no rule knows give no estimate rather than a wrong one
     (tmp_path / "odd" / "config.json").write_text('{"width": 48, "depth": 3, "vocab_size": 101}')
-    assert guards.model_shape(parse_config(flags(tmp_path / "odd", tmp_path / "out"))) is None
+    assert memory.model_shape(parse_config(flags(tmp_path / "odd", tmp_path / "out"))) is None

@@ -4,7 +4,7 @@ The export (``python -m gradnorm.export``, and the trainer's ``--export-hf`` at 
 replaces its target directory whole. It used to ``rmtree`` whatever was there: ``--out ''`` (an
 unset shell variable; ``Path('')`` is ``.``) emptied the working directory, ``--out RUN`` replaced
 the run with its export and exited 0, and ``--export-hf`` equal to ``--output-dir`` trained, then
-deleted the run's metrics and checkpoints. The rule now (gradnorm.trainer.outpaths): a directory may be
+deleted the run's metrics and checkpoints. The rule now (gradnorm.trainer.guards.outpaths): a directory may be
 replaced only if it holds the ``.gradnorm-export`` marker an export writes into every directory it
 creates; a run's own ``final/`` is the one place inside a run an export may go.
 
@@ -42,9 +42,11 @@ from gradnorm import export  # noqa: E402
 from gradnorm.dist import state as dist_state  # noqa: E402
 from gradnorm.models import hf as hfmodels  # noqa: E402
 from gradnorm.train import main as train_main  # noqa: E402
-from gradnorm.trainer import checkpoints as checkpointing, guards as preflight  # noqa: E402
+from gradnorm.trainer.checkpoint import store# noqa: E402
+from gradnorm.trainer.guards import launch
+from gradnorm.trainer.guards import preflight
 from gradnorm.trainer.config import parse_config  # noqa: E402
-from gradnorm.trainer.run import PREVIOUS, RunDir  # noqa: E402
+from gradnorm.trainer.rundir.lock import PREVIOUS, RunDir# noqa: E402
 import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
 from test_bad_input import fake_checkpoint, fake_model  # noqa: E402
 
@@ -219,7 +221,7 @@ def exportable(tmp_path_factory) -> Path:
     (run / "config.json").write_text(json.dumps({"model": str(model_dir)}))
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     state = dist_state.training_state(model, torch.optim.AdamW(model.parameters()))
-    checkpointing.save(run, 1, state, {"step": 1}, rank=0)
+    store.save(run, 1, state, {"step": 1}, rank=0)
     return run
 
 
@@ -336,7 +338,7 @@ def test_a_bad_export_hf_is_refused_before_training(name, tmp_path, monkeypatch,
     if setup:
         setup(case)
     monkeypatch.chdir(case)
-    for variable in preflight.TORCHRUN_VARS:
+    for variable in launch.TORCHRUN_VARS:
         monkeypatch.delenv(variable, raising=False)
     before = tree(tmp_path)
     try:
@@ -354,7 +356,7 @@ def test_the_trainer_refuses_an_empty_export_hf_as_a_command(tmp_path):
     fake_model(work / "model")
     (work / "notes.txt").write_text("the user's")
     before = tree(tmp_path)
-    env = {k: v for k, v in command_env().items() if k not in preflight.TORCHRUN_VARS}
+    env = {k: v for k, v in command_env().items() if k not in launch.TORCHRUN_VARS}
     proc = subprocess.run([sys.executable, str(ROOT / "gradnorm" / "train.py"),
                            *trainer_argv(work, ["--export-hf", ""], output_dir="run")],
                           cwd=work, env=env, capture_output=True, text=True, timeout=300)

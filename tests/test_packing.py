@@ -27,9 +27,12 @@ from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.grpo import TokenLosses
 from gradnorm.core.sharding import budget_plan, passes, validate_plan
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer import step as steps
+from gradnorm.trainer import record
+from gradnorm.trainer import step
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import TinyGPTPolicy, pack, score_by_length, score_packed
+from gradnorm.trainer.policy import TinyGPTPolicy
+from gradnorm.trainer.packing import pack, score_packed
+from gradnorm.trainer.chunks import score_by_length
 from gradnorm.trainer.rollout import Rollout
 
 P, R = 5, 9
@@ -164,10 +167,10 @@ def test_the_logged_skew_against_a_longhand_computation():
     mask = torch.arange(9) < lengths[:, None]
     rollout = Rollout(tokens=torch.zeros(8, P + 9, dtype=torch.long), mask=mask, rewards=torch.zeros(8),
                       advantages=torch.zeros(8), group_ids=torch.arange(8) // 4, group_size=4, prompt_len=P)
-    batch_ = steps.Minibatch(rollout, None, None, "")
+    batch_ = step.Minibatch(rollout, None, None, "")
     cfg = TrainConfig(shard="length", grad_accum_steps=2)
-    plan = steps.plan_for(batch_, cfg, 2)
-    got = steps.skew(batch_, plan, cfg)
+    plan = step.plan_for(batch_, cfg, 2)
+    got = record.skew(batch_, plan, cfg)
     # longhand: local weighs a token 1/(W A_r N[r, m]), token 1/N; a rank's local share is 1/W
     N, W = int(lengths.sum()), 2
     ratios, shares = [], []
@@ -182,7 +185,7 @@ def test_the_logged_skew_against_a_longhand_computation():
     assert (got["mb_tokens_min"], got["mb_tokens_max"]) == (min(per_mb), max(per_mb))
     assert got["skew_max"] > 2 and got["skew_min"] < 1  # ranks sorted by length: short microbatches shout
     assert 0 < got["padding_fraction"] < 1
-    assert steps.skew(batch_, plan, TrainConfig(shard="length", grad_accum_steps=2, pack=True))["padding_fraction"] \
+    assert record.skew(batch_, plan, TrainConfig(shard="length", grad_accum_steps=2, pack=True))["padding_fraction"] \
         < got["padding_fraction"]  # packing computes fewer positions
 
 
@@ -195,7 +198,7 @@ def test_a_hugging_face_run_checks_its_budget_and_its_packing_with_exit_code_2(t
     from tiny_models import build_tiny_llama
 
     from gradnorm.train import main
-    from gradnorm.trainer import policy as policy_module
+    from gradnorm.trainer import policy
 
     model_dir = build_tiny_llama(tmp_path / "tiny-llama", seed=0)
     capsys.readouterr()  # the builder's progress bars
@@ -214,7 +217,7 @@ def test_a_hugging_face_run_checks_its_budget_and_its_packing_with_exit_code_2(t
         running = torch.arange(rows.tokens.shape[1], device=rows.tokens.device).expand_as(rows.tokens)
         return module(input_ids=rows.tokens, position_ids=running, use_cache=False).logits
 
-    monkeypatch.setattr(policy_module.HFPolicy, "packed_logits", crossing)
+    monkeypatch.setattr(policy.HFPolicy, "packed_logits", crossing)
     assert main([*flags, "--pack", "--output-dir", str(tmp_path / "c")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
     assert len(err) == 1 and "cannot take packed rows" in err[0], err

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from gradnorm.trainer import run as phases
-from gradnorm.trainer.run import TIMING_KEYS
+from gradnorm.trainer.rundir import phases
+from gradnorm.trainer.rundir.metrics import TIMING_KEYS
 from gradnorm.train import main
 
 

@@ -1,6 +1,6 @@
 """Preemption: SIGTERM and SIGINT finish the step, checkpoint, exit with 143 or 130, and lose nothing.
 
-What must hold (gradnorm/trainer/guards.py; the trainer's use of it is four lines in train.py):
+What must hold (gradnorm/trainer/guards/preemption.py; the trainer's use of it is four lines in train.py):
 - a signal inside ``catch_signals`` only records a request (no KeyboardInterrupt, the process goes
   on); the handlers before it are back afterwards; ``agreed`` picks the same signal on every rank;
 - a second signal exits at once (143, one line) even while the main thread is blocked in C++
@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.trainer import checkpoints as checkpointing, guards as preemption
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.guards import preemption
 from runfiles import comparable, metrics  # tests/runfiles.py
 from gradnorm.train import main
 
@@ -74,7 +75,7 @@ def test_stopped_names_the_signal_the_step_and_the_exit_code(tmp_path):
 BLOCKED = """
 import datetime, os, signal, sys, time
 import torch.distributed as dist
-from gradnorm.trainer import guards as preemption
+from gradnorm.trainer.guards import preemption
 from gradnorm.dist.spawn import free_port
 with preemption.catch_signals():
     os.kill(os.getpid(), signal.SIGTERM)
@@ -140,8 +141,8 @@ def assert_stopped_cleanly(out: Path, stderr: str, signame: str) -> int:
     line = f"stopped by {signame} after step {stopped_at}: checkpoint {ckpt} written"
     assert [x for x in stderr.splitlines() if x.startswith("stopped by")] == [line + "; continue with --resume"]
     assert sorted(p.name for p in out.glob("*ckpt_step*")) == [ckpt.name]  # no other, and no torn .tmp directory
-    assert checkpointing.read_run_state(ckpt, required=("step",))["step"] == stopped_at
-    assert checkpointing.read_tensors(ckpt, "model")  # .metadata and the data files are complete
+    assert store.read_run_state(ckpt, required=("step",))["step"] == stopped_at
+    assert store.read_tensors(ckpt, "model")  # .metadata and the data files are complete
     return stopped_at
 
 
@@ -162,9 +163,9 @@ def test_ctrl_c_on_plain_python_checkpoints_and_exits_130_without_a_traceback(tm
 
 def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monkeypatch, capsys):
     """U = 2 updates per rollout: a checkpoint between them could not be resumed exactly (the rollout is not saved)."""
-    from gradnorm.trainer import run as runfiles
+    from gradnorm.trainer.rundir import metrics
 
-    honest = runfiles.write_record
+    honest = metrics.write_record
 
     def signal_at_step_2(metrics_file, bar, record, cfg):
         honest(metrics_file, bar, record, cfg)
@@ -174,7 +175,7 @@ def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monk
 
     flags = [*TINY, "--steps", "8", "--minibatches-per-rollout", "2"]
     stopped, full = tmp_path / "stopped", tmp_path / "full"
-    monkeypatch.setattr(runfiles, "write_record", signal_at_step_2)
+    monkeypatch.setattr(metrics, "write_record", signal_at_step_2)
     with preemption.catch_signals():
         assert main([*flags, "--output-dir", str(stopped)]) == 143
     assert assert_stopped_cleanly(stopped, capsys.readouterr().err, "SIGTERM") == 4

@@ -26,11 +26,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpoints as checkpointing
+from gradnorm.trainer.checkpoint import store
 from gradnorm.dist import state as dist_state
 from gradnorm.models import tinygpt as tinygpt_module
 
-from gradnorm.trainer import step as trainer_step
+from gradnorm.trainer import step
 from gradnorm.trainer.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
 from gradnorm.train import main
@@ -55,7 +55,7 @@ def one_error_line(stderr: str, says: str) -> None:
 
 
 def assert_finite_weights(path: Path) -> None:
-    for name, tensor in checkpointing.read_tensors(path, "model").items():
+    for name, tensor in store.read_tensors(path, "model").items():
         assert torch.isfinite(tensor).all(), name
 
 
@@ -95,7 +95,7 @@ def test_the_trainer_stops_on_a_nan_reward_with_one_line(tmp_path, monkeypatch, 
 
 def poison_losses(monkeypatch, bad_steps):
     """Make the per-token loss NaN on the given steps (one microbatch per step with W = A = 1)."""
-    honest, calls = trainer_step.grpo_token_losses, []
+    honest, calls = step.grpo_token_losses, []
 
     def poisoned(*args, **kwargs):
         calls.append(None)
@@ -104,7 +104,7 @@ def poison_losses(monkeypatch, bad_steps):
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(trainer_step, "grpo_token_losses", poisoned)
+    monkeypatch.setattr(step, "grpo_token_losses", poisoned)
 
 
 def test_a_nan_loss_skips_the_update_warns_and_is_counted(tmp_path, monkeypatch, capsys):
@@ -117,7 +117,7 @@ def test_a_nan_loss_skips_the_update_warns_and_is_counted(tmp_path, monkeypatch,
     assert [m["skipped_steps"] for m in rows] == [0, 1, 1, 1]
     assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None  # logged as null, never NaN
     assert all(isinstance(m["grad_norm"], float) for m in rows if m["step"] != 2)
-    step1, step2 = (checkpointing.read_tensors(out / f"ckpt_step{s}", "model") for s in (1, 2))
+    step1, step2 = (store.read_tensors(out / f"ckpt_step{s}", "model") for s in (1, 2))
     for name, tensor in step1.items():  # the skipped step left the weights as they were
         assert torch.equal(tensor, step2[name]), name
     assert_finite_weights(out / "ckpt_step4")
@@ -295,7 +295,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_ru
     assert job.returncode != 0, output
     assert exit_s < 60
     print(f"torchrun exited {job.returncode} {exit_s:.1f} s after the SIGKILL")
-    latest = checkpointing.latest_checkpoint(crashed)
+    latest = store.latest_checkpoint(crashed)
     assert latest is not None and not list(crashed.glob(".ckpt_step*.tmp"))  # no torn write left behind
     assert_finite_weights(latest)  # loads through the safe readers
     assert len(metrics(crashed)) < 120

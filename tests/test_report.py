@@ -30,8 +30,8 @@ import pytest
 
 from gradnorm.teach.launch import torchrun_command
 from gradnorm.train import main
-from gradnorm.trainer.guards import TORCHRUN_VARS
-from gradnorm.trainer.run import numeric
+from gradnorm.trainer.guards.launch import TORCHRUN_VARS
+from gradnorm.trainer.rundir.reporters import numeric
 from runfiles import metrics  # tests/runfiles.py
 from skipping import skip_or_fail  # tests/skipping.py
 

@@ -1,6 +1,6 @@
 """The run directory with directory checkpoints: only a complete ``ckpt_step{N}/`` counts.
 
-gradnorm.trainer.run decides from what --output-dir holds whether an --overwrite's replacement has
+gradnorm.trainer.rundir decides from what --output-dir holds whether an --overwrite's replacement has
 reached a checkpoint, and so whether the old run set aside in previous_run/ may go. A save killed
 mid-write leaves a ``.ckpt_step{N}.tmp/`` that must not count; what a run left, checkpoint
 directories and torn ones included, is set aside and put back whole. A save that fails says how
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gradnorm.trainer import run as rundir
-from gradnorm.trainer.run import RunDir
+from gradnorm.trainer.rundir import lock
+from gradnorm.trainer.rundir.lock import RunDir
 from gradnorm.train import main
 from test_bad_input_runtime import every_file
 from test_checkpoints import fail_in_publish
@@ -31,8 +31,8 @@ def replaced_run(tmp_path: Path, replacement_saved: str) -> Path:
     """An --overwrite that stopped without cleaning up (SIGKILL): the old run in previous_run/, the
     replacement's config.json and, as its only checkpoint, ``replacement_saved``."""
     out = tmp_path / "run"
-    checkpoint(out / rundir.PREVIOUS, "ckpt_step2")
-    (out / rundir.PREVIOUS / "config.json").write_text('{"seed": 3}')
+    checkpoint(out / lock.PREVIOUS, "ckpt_step2")
+    (out / lock.PREVIOUS / "config.json").write_text('{"seed": 3}')
     (out / "config.json").write_text('{"seed": 5}')
     checkpoint(out, replacement_saved)
     return out
@@ -42,11 +42,11 @@ def test_a_torn_checkpoint_does_not_release_the_old_run(tmp_path):
     out = replaced_run(tmp_path, ".ckpt_step1.tmp")  # killed while writing its first checkpoint
     for resume in (False, True):
         with pytest.raises(ValueError, match="holds the run that an --overwrite replaced, and the replacement stopped"):
-            rundir.check(out, resume=resume, overwrite=False)
-    rundir.check(out, resume=False, overwrite=True)  # the way out: --overwrite again
+            lock.check(out, resume=resume, overwrite=False)
+    lock.check(out, resume=False, overwrite=True)  # the way out: --overwrite again
     run_dir = RunDir(out)
     run_dir.open(resume=False, overwrite=True)  # the replacement's files go, the torn directory too
-    assert sorted(os.listdir(out)) == [".lock", rundir.PREVIOUS]
+    assert sorted(os.listdir(out)) == [".lock", lock.PREVIOUS]
     run_dir.close(succeeded=False)  # and this one stops before a checkpoint as well: the old run is back
     assert sorted(os.listdir(out)) == ["ckpt_step2", "config.json"]
     assert (out / "config.json").read_text() == '{"seed": 3}'
@@ -54,7 +54,7 @@ def test_a_torn_checkpoint_does_not_release_the_old_run(tmp_path):
 
 def test_a_complete_checkpoint_releases_the_old_run(tmp_path):
     out = replaced_run(tmp_path, "ckpt_step1")  # killed after its first checkpoint
-    rundir.check(out, resume=True, overwrite=False)
+    lock.check(out, resume=True, overwrite=False)
     run_dir = RunDir(out)
     run_dir.open(resume=True, overwrite=False)
     assert sorted(os.listdir(out)) == [".lock", "ckpt_step1", "config.json"]
@@ -69,8 +69,8 @@ def test_overwrite_sets_aside_checkpoint_directories_and_torn_ones_and_puts_them
     before = every_file(out)
     run_dir = RunDir(out)
     run_dir.open(resume=False, overwrite=True)
-    assert sorted(os.listdir(out)) == [".lock", rundir.PREVIOUS]
-    assert sorted(os.listdir(out / rundir.PREVIOUS)) == [".ckpt_step4.tmp", "ckpt_step2", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", lock.PREVIOUS]
+    assert sorted(os.listdir(out / lock.PREVIOUS)) == [".ckpt_step4.tmp", "ckpt_step2", "metrics.jsonl"]
     checkpoint(out, ".ckpt_step4.tmp")  # the new run is interrupted (Ctrl-C) inside a save of the same step
     (out / "metrics.jsonl").write_text('{"step": 1, "new": true}\n')
     run_dir.close(succeeded=False)

@@ -8,11 +8,11 @@ Every loader a user can point at a file of unknown origin gets poisoned files, w
 would run ``os.system("touch PWNED")``; each refuses them (or never unpickles them) and the file
 PWNED never appears:
 
-- ``--resume`` (``checkpointing.load``) on a checkpoint directory with a poisoned ``.metadata`` or
+- ``--resume`` (``store.load``) on a checkpoint directory with a poisoned ``.metadata`` or
   a poisoned tensor payload: tests/test_reliability.py::test_a_bad_checkpoint_is_one_line_and_never_executed
   runs both through ``main()``, tests/test_checkpoints.py the ``.metadata`` allow-list itself; not
   repeated here;
-- ``python -m gradnorm.export RUN`` (``checkpointing.read_tensors``) on a checkpoint poisoned in
+- ``python -m gradnorm.export RUN`` (``store.read_tensors``) on a checkpoint poisoned in
   every container a loader meets: ``.metadata`` pickled with protocol 2 and with the highest, a
   tensor payload saved by ``torch.save`` in its zip and in its legacy format. One ``error:`` line,
   exit 2 (bad input), nothing exported;
@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.trainer import checkpoints as checkpointing
+from gradnorm.trainer.checkpoint import store
 from gradnorm import export
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
@@ -74,7 +74,7 @@ def real_run(directory: Path) -> Path:
     """A run directory as a Hugging Face run leaves it: config.json and one real checkpoint; its checkpoint."""
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model": "some/model"}))
-    return checkpointing.save(directory, 1, fresh_state(), {"step": 1}, rank=0)
+    return store.save(directory, 1, fresh_state(), {"step": 1}, rank=0)
 
 
 def stored_item(ckpt: Path, prefix: str):
@@ -146,13 +146,13 @@ def test_the_pickled_objects_beside_the_tensors_are_never_unpickled(tmp_path):
     """DCP stores param_groups (lr, betas...) as pickles and its loader would run them; ours never asks."""
     target = tmp_path / "PWNED"
     ckpt = real_run(tmp_path / "run")
-    weights = checkpointing.read_tensors(ckpt, "model")
+    weights = store.read_tensors(ckpt, "model")
     point_at(ckpt, "optimizer.param_groups.", torch_saved(Payload(target)))
     state = fresh_state()
-    checkpointing.load(ckpt, state, rank=0)  # --resume's loader: loads, the hyperparameters come from the flags
-    for name, tensor in checkpointing.read_tensors(ckpt, "model").items():  # the export's loader
+    store.load(ckpt, state, rank=0)  # --resume's loader: loads, the hyperparameters come from the flags
+    for name, tensor in store.read_tensors(ckpt, "model").items():  # the export's loader
         assert torch.equal(tensor, weights[name]) and torch.equal(state["model"][name], weights[name]), name
-    assert checkpointing.read_tensors(ckpt, "optimizer")  # even the part that holds param_groups
+    assert store.read_tensors(ckpt, "optimizer")  # even the part that holds param_groups
     assert not target.exists()
     # The control: DCP's own loader, asked for the whole state, runs the payload.
     import torch.distributed.checkpoint as dcp

@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm.core.denominators import mask_from_lengths
-from gradnorm.trainer.policy import length_chunks, score_by_length
+from gradnorm.trainer.chunks import length_chunks, score_by_length
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
 
 P, R, V = 4, 12, 11

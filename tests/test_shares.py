@@ -2,7 +2,7 @@
 
 With rollout reuse (``--minibatches-per-rollout`` > 1) or ``--beta`` > 0 the trainer needs the
 sampling policy's and the reference's log-probs, on each rank for the rows it trains on
-(``step.shares``). ``step.score`` computes them:
+(``scoring.shares``). ``scoring.score`` computes them:
 
 - the shares partition the batch, and rank r's share of minibatch k is exactly its rows of the
   plan that step k makes (so every row a rank trains on has its log-probs);
@@ -31,10 +31,14 @@ from torch.testing import assert_close
 from gradnorm.core.denominators import mask_from_lengths
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
+from gradnorm.core.accumulate import accumulate_gradients
+from gradnorm.core.sharding import passes
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer import step as steps
+from gradnorm.trainer import scoring
+from gradnorm.trainer import step
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import TinyGPTPolicy, length_chunks, score_by_length, wrap_for_training
+from gradnorm.trainer.policy import TinyGPTPolicy
+from gradnorm.trainer.chunks import length_chunks, score_by_length
 from gradnorm.trainer.rollout import Rollout
 
 P, R, V, G = 4, 24, 11, 8
@@ -73,12 +77,12 @@ class CountingPolicy(TinyGPTPolicy):
 def test_the_shares_partition_the_batch_by_the_plan_of_each_minibatch():
     batch = rollout()
     for world_size in (1, 2, 4):
-        shares = steps.shares(batch, CFG, world_size)
+        shares = scoring.shares(batch, CFG, world_size)
         everything = torch.cat(shares)
         assert sorted(everything.tolist()) == list(range(len(batch.rewards)))  # each row once
         for k in range(CFG.minibatches_per_rollout):
             minibatch = batch.groups(k * CFG.prompts_per_step, CFG.prompts_per_step)
-            plan = steps.plan_for(steps.Minibatch(minibatch, None, None, ""), CFG, world_size)
+            plan = step.plan_for(step.Minibatch(minibatch, None, None, ""), CFG, world_size)
             first, S = k * CFG.sequences_per_step, CFG.sequences_per_step
             for r, share in enumerate(shares):
                 in_k = share[(share >= first) & (share < first + S)] - first
@@ -95,13 +99,13 @@ def test_the_scoring_split_deals_every_row_once_at_the_same_cost_on_every_rank()
     batch = rollout()
     S = len(batch.rewards)
     for world_size in (1, 2, 4):
-        split = steps.scoring_split(batch.lengths, world_size)
+        split = scoring.scoring_split(batch.lengths, world_size)
         assert sorted(torch.cat(split).tolist()) == list(range(S))  # each row once
         assert {len(rows) for rows in split} == {S // world_size}
         costs = [cost(batch, rows) for rows in split]
         assert max(costs) - min(costs) <= int(batch.lengths.max()), (world_size, costs)  # within one row
     # the control: the rows each rank trains on under --shard length are far from balanced
-    shares = [cost(batch, rows) for rows in steps.shares(batch, CFG, 2)]
+    shares = [cost(batch, rows) for rows in scoring.shares(batch, CFG, 2)]
     assert max(shares) > 2 * min(shares), shares
 
 
@@ -115,53 +119,56 @@ def test_sending_rows_to_other_ranks_without_their_process_group_is_an_error():
 def test_the_batch_makes_the_ranks_chunk_differently():
     """The premise of the lockstep check: without it the ranks' forward calls would differ."""
     batch = rollout()
-    shares = steps.shares(batch, CFG, 2)
+    shares = scoring.shares(batch, CFG, 2)
     assert len({len(length_chunks(batch.lengths[s], P)) for s in shares}) == 2
     minibatch = batch.groups(0, CFG.prompts_per_step)
-    plan = steps.plan_for(steps.Minibatch(minibatch, None, None, ""), CFG, 2)
+    plan = step.plan_for(step.Minibatch(minibatch, None, None, ""), CFG, 2)
     assert len({len(length_chunks(minibatch.lengths[rank[0]], P)) for rank in plan}) == 2
-    assert steps.pass_calls(plan, minibatch.lengths, P, packed=False) == [2]
+    assert step.pass_calls(plan, minibatch.lengths, P, packed=False) == [2]
     assert len(set(scoring_chunks(batch))) == 2  # scoring's own rows too
 
 
 def scoring_chunks(batch: Rollout) -> list[int]:
     """How many forward calls each of 2 ranks' scoring rows (``step.scoring_split``) take on their own."""
-    return [len(length_chunks(batch.lengths[rows], P)) for rows in steps.scoring_split(batch.lengths, 2)]
+    return [len(length_chunks(batch.lengths[rows], P)) for rows in scoring.scoring_split(batch.lengths, 2)]
 
 
 def lockstep_worker(ctx: comm.DistContext) -> dict:
     """On each of 2 ranks: the share's scores and one step's gradient, under FSDP2, DDP and unwrapped."""
     batch = rollout()
-    shares = steps.shares(batch, CFG, ctx.world_size)
+    shares = scoring.shares(batch, CFG, ctx.world_size)
     out = {}
     with torch.no_grad():
         plain = model()
         counting = CountingPolicy(plain)
         other = copy.deepcopy(plain)  # a second module (a reference the policy has left)
         torch.nn.init.normal_(other.lm_head.weight)
-        out["plain_scores"], out["other_scores"] = steps.score(counting, [plain, other], batch, shares, ctx.rank)
+        out["plain_scores"], out["other_scores"] = scoring.score(counting, [plain, other], batch, shares, ctx.rank)
         out["plain_rows"] = counting.rows
         # every row here, one module at a time: the reference
-        out["whole"], none = steps.score(TinyGPTPolicy(plain), [plain, None], batch)
-        out["other_whole"], = steps.score(TinyGPTPolicy(other), [other], batch)
+        out["whole"], none = scoring.score(TinyGPTPolicy(plain), [plain, None], batch)
+        out["other_whole"], = scoring.score(TinyGPTPolicy(other), [other], batch)
         assert none is None
         # the control: the right rows scored, sent by the wrong shares (each rank's to the other)
-        split = steps.scoring_split(batch.lengths, ctx.world_size)
-        out["crossed"] = steps.route(steps.score_rows(TinyGPTPolicy(plain), plain, batch, split[ctx.rank]),
+        split = scoring.scoring_split(batch.lengths, ctx.world_size)
+        out["crossed"] = scoring.route(scoring.score_rows(TinyGPTPolicy(plain), plain, batch, split[ctx.rank]),
                                      split, shares[::-1], ctx.rank)
-    minibatch = steps.Minibatch(batch.groups(0, CFG.prompts_per_step), None, None, "")
+    minibatch = step.Minibatch(batch.groups(0, CFG.prompts_per_step), None, None, "")
     for parallel in ("ddp", "fsdp"):
         m = model()
         policy = CountingPolicy(m)
-        dp_model = wrap_for_training(policy, parallel, ctx)
+        dp_model = wrap.wrap_policy(policy.model, parallel, ctx, blocks=policy.blocks())
         with torch.no_grad():
-            out[f"{parallel}_scores"], = steps.score(policy, [m], batch, shares, ctx.rank)
+            out[f"{parallel}_scores"], = scoring.score(policy, [m], batch, shares, ctx.rank)
         out[f"{parallel}_scoring_calls"] = policy.calls
         minibatch.old_logp = out["plain_scores"][: CFG.sequences_per_step]
         minibatch.ref_logp = minibatch.old_logp - 0.1  # a reference the policy has left: KL is not 0
-        plan = steps.plan_for(minibatch, CFG, ctx.world_size)
-        counts = steps.counts_for(minibatch, plan, CFG, ctx.rank)
-        steps.backward(policy, dp_model, minibatch, plan, counts, CFG, ctx, contextlib.nullcontext)
+        plan = step.plan_for(minibatch, CFG, ctx.world_size)
+        mb = minibatch.rollout  # the loop's two calls: the count all-reduce, then the weighted backward
+        counts = comm.global_counts(plan[ctx.rank], mb.lengths, mb.group_ids, mb.num_groups, CFG.denominator)
+        accumulate_gradients(dp_model, plan[ctx.rank], mb.mask, mb.group_ids, counts, CFG.denominator,
+                             step.token_losses(policy, dp_model, minibatch, plan, CFG, ctx.world_size,
+                                               contextlib.nullcontext), ctx.world_size, num_passes=passes(plan))
         out[f"{parallel}_grad"] = wrap.flat_grad(m)
     return out
 
@@ -173,7 +180,7 @@ def two_ranks() -> list[dict]:
 
 def test_every_rank_gets_the_whole_batch_scores_of_its_share_and_scores_half_the_rows(two_ranks):
     batch = rollout()
-    S, shares = len(batch.rewards), steps.shares(batch, CFG, 2)
+    S, shares = len(batch.rewards), scoring.shares(batch, CFG, 2)
     for rank, (r, share) in enumerate(zip(two_ranks, shares)):
         assert r["plain_rows"] == 2 * S // 2  # its half of the batch for each of two modules, not all S
         others = torch.ones(S, dtype=torch.bool)

@@ -26,10 +26,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpoints as checkpointing
-from gradnorm.trainer.run import MAX_PHASES, PHASES
-from gradnorm.trainer.run import METRIC_KEYS as PHASE_KEYS
-from gradnorm.trainer.run import TIMING_KEYS
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.rundir.phases import MAX_PHASES, PHASES
+from gradnorm.trainer.rundir.phases import METRIC_KEYS as PHASE_KEYS
+from gradnorm.trainer.rundir.metrics import TIMING_KEYS
 from gradnorm.teach.launch import torchrun_command
 from runfiles import launch_all, metrics  # tests/runfiles.py
 
@@ -156,14 +156,14 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(runs):
     assert [m["step"] for m in comparable(resumed)] == [1, 2, 3, 4]
     assert comparable(resumed) == comparable(full)
     assert sorted(p.name for p in full.glob("ckpt_step*")) == ["ckpt_step2", "ckpt_step4"]
-    final = checkpointing.read_tensors(full / "ckpt_step4", "model")
-    again = checkpointing.read_tensors(resumed / "ckpt_step4", "model")
+    final = store.read_tensors(full / "ckpt_step4", "model")
+    again = store.read_tensors(resumed / "ckpt_step4", "model")
     for name, tensor in final.items():
         assert torch.equal(tensor, again[name]), name
 
 
 def test_two_ranks_log_every_phase_with_the_max_over_ranks(runs):
-    """The phase times of the 2-rank run (gradnorm.trainer.run): present, adding up, max over ranks >= rank 0's."""
+    """The phase times of the 2-rank run (gradnorm.trainer.rundir): present, adding up, max over ranks >= rank 0's."""
     _, base = runs
     previous = 0.0
     for m in metrics(base / "full"):

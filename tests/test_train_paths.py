@@ -38,9 +38,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gradnorm.trainer import checkpoints as checkpointing
-from gradnorm.trainer.run import TIMING_KEYS
-from gradnorm.trainer.policy import build_policy, warm_up
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.rundir.metrics import TIMING_KEYS
+from gradnorm.trainer.policy import build_policy
+from gradnorm.trainer.warmup import warm_up
 from gradnorm.train import main
 from gradnorm.trainer.config import parse_config
 from runfiles import comparable, launch_all, metrics  # tests/runfiles.py
@@ -127,7 +128,7 @@ def test_kl_is_logged_and_is_in_the_loss_and_in_the_gradient(kl_runs):
 
 
 def test_the_reference_is_the_policy_after_warm_up_frozen_and_checkpointed(kl_runs):
-    ckpts = [{part: checkpointing.read_tensors(kl_runs / "one" / f"ckpt_step{s}", part) for part in ("model", "ref")}
+    ckpts = [{part: store.read_tensors(kl_runs / "one" / f"ckpt_step{s}", part) for part in ("model", "ref")}
              for s in (1, 2, 3, 4)]
     cfg = parse_config([*TINY, "--beta", str(BETA)])
     torch.set_num_threads(cfg.cpu_threads)
@@ -140,7 +141,7 @@ def test_the_reference_is_the_policy_after_warm_up_frozen_and_checkpointed(kl_ru
     moved = [name for name in ckpts[3]["model"] if not torch.equal(ckpts[3]["model"][name], ckpts[3]["ref"][name])]
     assert moved, "the policy should have left the reference after 4 steps"
     with pytest.raises(ValueError, match="holds no ref tensors"):  # beta = 0 saves no reference
-        checkpointing.read_tensors(kl_runs / "no_kl" / "ckpt_step2", "ref")
+        store.read_tensors(kl_runs / "no_kl" / "ckpt_step2", "ref")
 
 
 def test_a_resumed_kl_run_logs_what_an_uninterrupted_one_logs(kl_runs):
@@ -264,6 +265,6 @@ def test_a_fresh_run_never_mixes_with_the_run_already_in_its_output_dir(tmp_path
     one_process(out, "--steps", "1", "--seed", "5", "--overwrite")
     # The old ckpt_step2 would be what --resume picks: it went with previous_run/ at the new run's checkpoint.
     assert sorted(os.listdir(out)) == ["ckpt_step1", "config.json", "metrics.jsonl", "warmup.json"]
-    assert checkpointing.latest_checkpoint(out) == out / "ckpt_step1"
+    assert store.latest_checkpoint(out) == out / "ckpt_step1"
     assert [m["step"] for m in metrics(out)] == [1]
     assert json.loads((out / "config.json").read_text())["seed"] == 5

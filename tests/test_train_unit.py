@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.trainer import checkpoints as checkpointing
-from gradnorm.trainer.curves import plot_learning_curve, write_learning_curve
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.rundir.curves import plot_learning_curve, write_learning_curve
 from gradnorm.dist import state as dist_state
 from gradnorm.teach.runs import moving_average
 from gradnorm.trainer.policy import TinyGPTPolicy
@@ -147,18 +147,18 @@ def test_checkpoint_round_trip_restores_weights_optimizer_rng_and_counters(tmp_p
     opt.step()
     run = {"step": 7, "warmup": {"steps": 3, "reward_before": 0.1}}
     torch.manual_seed(123)
-    path = checkpointing.save(tmp_path, 7, dist_state.training_state(model, opt), run, rank=0)
+    path = store.save(tmp_path, 7, dist_state.training_state(model, opt), run, rank=0)
     expected_draw = torch.rand(3)  # the first draw after the RNG state the checkpoint holds
-    checkpointing.save(tmp_path, 12, dist_state.training_state(model, opt), {**run, "step": 12}, rank=0)
+    store.save(tmp_path, 12, dist_state.training_state(model, opt), {**run, "step": 12}, rank=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_step12", "ckpt_step7"]  # no temporary directory
-    assert checkpointing.latest_checkpoint(tmp_path).name == "ckpt_step12"  # 12 > 7 numerically
-    assert checkpointing.read_run_state(path, required=("step", "warmup")) == run  # plain JSON
+    assert store.latest_checkpoint(tmp_path).name == "ckpt_step12"  # 12 > 7 numerically
+    assert store.read_run_state(path, required=("step", "warmup")) == run  # plain JSON
 
     _, fresh = small_model(seed=1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     state = dist_state.training_state(fresh, fresh_opt)
     torch.manual_seed(999)
-    checkpointing.load(path, state, rank=0)
+    store.load(path, state, rank=0)
     assert torch.equal(torch.rand(3), expected_draw)
     dist_state.apply_training_state(fresh, fresh_opt, None, state)
     for name, p in model.state_dict().items():
@@ -170,18 +170,18 @@ def test_checkpoint_round_trip_restores_weights_optimizer_rng_and_counters(tmp_p
 def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_directory(tmp_path, monkeypatch):
     _, model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    checkpointing.save(tmp_path, 1, dist_state.training_state(model, opt), {"step": 1}, rank=0)
+    store.save(tmp_path, 1, dist_state.training_state(model, opt), {"step": 1}, rank=0)
 
     def full_disk(state, directory):
         (directory / "__0_0.distcp").write_bytes(b"half a shard")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(dist_state, "write", full_disk)
-    with pytest.raises(checkpointing.CheckpointError, match=r"No space left on device.*the previous checkpoint \S+ckpt_step1 is intact"):
-        checkpointing.save(tmp_path, 2, dist_state.training_state(model, opt), {"step": 2}, rank=0)
+    with pytest.raises(store.CheckpointError, match=r"No space left on device.*the previous checkpoint \S+ckpt_step1 is intact"):
+        store.save(tmp_path, 2, dist_state.training_state(model, opt), {"step": 2}, rank=0)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt_step1"]
-    assert checkpointing.read_run_state(checkpointing.latest_checkpoint(tmp_path), required=("step",))["step"] == 1
-    assert checkpointing.latest_checkpoint(tmp_path / "missing") is None
+    assert store.read_run_state(store.latest_checkpoint(tmp_path), required=("step",))["step"] == 1
+    assert store.latest_checkpoint(tmp_path / "missing") is None
 
 
 # ------------------------------------------------------------------ the learning curve

@@ -2,8 +2,8 @@
 
 One optimizer step of the real trainer path: TinyGPT, a rollout sampled by ``generate_rollout``
 (ragged response lengths), the plan (``step.plan_for``: a fixed count of microbatches, or a token
-budget that gives the two ranks 1 and 3 microbatches), the count all-reduce (``step.counts_for``),
-the wrapper ``policy.wrap_for_training`` and ``step.backward`` with the trainer's per-token loss
+budget that gives the two ranks 1 and 3 microbatches), the count all-reduce (``comm.global_counts``),
+the wrapper ``wrap.wrap_policy`` and ``accumulate_gradients`` with the trainer's per-token loss
 (clipped surrogate with clip-higher plus beta * k3 KL; the old and reference log-probs are
 perturbed so that the clip and the KL both matter), padded or packed (``--pack``). W = 1 is the
 plain ``python`` path in this process (no process group, no wrapper); W = 2 is two spawned gloo
@@ -25,11 +25,11 @@ from torch.testing import assert_close
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
 from gradnorm.core.grpo import grpo_token_losses
-from gradnorm.trainer import step as steps
+from gradnorm.trainer import step
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import TinyGPTPolicy, wrap_for_training
+from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout
-from gradnorm.core.sharding import make_plan
+from gradnorm.core.sharding import make_plan, passes
 from gradnorm.tasks import RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
 from gradnorm.core.accumulate import accumulate_gradients
@@ -77,15 +77,18 @@ def trainer_gradients(ctx: comm.DistContext, parallel: str) -> torch.Tensor:
     """(len(CASES), P): this rank's reduced flat gradient of one trainer step per case."""
     model, rollout, old_logp, ref_logp = make_batch()
     policy = TinyGPTPolicy(model)
-    dp_model = wrap_for_training(policy, parallel, ctx)
-    batch = steps.Minibatch(rollout=rollout, old_logp=old_logp, ref_logp=ref_logp, rollout_digest=rollout.digest())
+    dp_model = wrap.wrap_policy(policy.model, parallel, ctx, blocks=policy.blocks())
+    batch = step.Minibatch(rollout=rollout, old_logp=old_logp, ref_logp=ref_logp, rollout_digest=rollout.digest())
     grads = []
     for case in CASES:
         cfg = config(*case)
-        plan = steps.plan_for(batch, cfg, ctx.world_size)
+        plan = step.plan_for(batch, cfg, ctx.world_size)
         model.zero_grad(set_to_none=True)
-        counts = steps.counts_for(batch, plan, cfg, ctx.rank)
-        steps.backward(policy, dp_model, batch, plan, counts, cfg, ctx, contextlib.nullcontext)
+        mb = batch.rollout  # the loop's two calls: the count all-reduce, then the weighted backward
+        counts = comm.global_counts(plan[ctx.rank], mb.lengths, mb.group_ids, mb.num_groups, cfg.denominator)
+        accumulate_gradients(dp_model, plan[ctx.rank], mb.mask, mb.group_ids, counts, cfg.denominator,
+                             step.token_losses(policy, dp_model, batch, plan, cfg, ctx.world_size,
+                                               contextlib.nullcontext), ctx.world_size, num_passes=passes(plan))
         grads.append(wrap.flat_grad(model))
     return torch.stack(grads)
 
@@ -102,7 +105,7 @@ def oracle_gradient(denominator, world_size, accum_steps, shard, budget=0, pack=
     """dJ/dtheta, J = sum_i w_i sum_t l[i, t] M[i, t] over the whole batch at once, in float64, padded."""
     model, rollout, old_logp, ref_logp = make_batch(torch.float64)
     lengths, groups = rollout.lengths.tolist(), rollout.group_ids.tolist()
-    plan = steps.plan_for(steps.Minibatch(rollout, None, None, ""), config(denominator, accum_steps, shard, budget, pack),
+    plan = step.plan_for(step.Minibatch(rollout, None, None, ""), config(denominator, accum_steps, shard, budget, pack),
                           world_size)  # only local reads it
     w = torch.tensor(longhand_weights(denominator, lengths, groups, plan), dtype=torch.float64)
     loss = per_token_loss(model, rollout, old_logp, ref_logp, torch.arange(len(lengths))).loss
@@ -149,7 +152,7 @@ def test_the_rollout_is_ragged_enough_to_matter():
 
 def test_the_budget_gives_the_ranks_1_and_3_microbatches():
     _, rollout, _, _ = make_batch()
-    plan = steps.plan_for(steps.Minibatch(rollout, None, None, ""), config("token", 1, "length", BUDGET, False), 2)
+    plan = step.plan_for(step.Minibatch(rollout, None, None, ""), config("token", 1, "length", BUDGET, False), 2)
     assert [len(rank) for rank in plan] == [1, 3]
     assert max(int((rollout.lengths[mb] + rollout.prompt_len).sum()) for rank in plan for mb in rank) <= BUDGET
 

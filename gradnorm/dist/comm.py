@@ -18,7 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradnorm.core.denominators import Counts, Denominator, needs_global_counts, rank_count_vector
+from gradnorm.core.denominators import (
+    Counts,
+    Denominator,
+    needs_global_counts,
+    rank_count_vector,
+)
 
 
 @dataclass(frozen=True)
@@ -52,24 +57,29 @@ def default_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def local_device(device: str | None = None, environ=os.environ) -> torch.device:
+    """The device this process trains on: ``device`` ("cuda" or "cpu"; None: CUDA when available),
+    the GPU of its LOCAL_RANK (never RANK: on N nodes, ranks beyond the first node's GPUs exist too).
+    The preflight's memory estimate asks the same question before any process group exists."""
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    local = environ.get("LOCAL_RANK", environ.get("RANK", "0"))
+    return torch.device("cuda", int(local) if local.isdigit() else 0) if kind == "cuda" else torch.device("cpu")
+
+
 def setup(backend: str | None = None, device: str | None = None, timeout_s: float = 300.0) -> DistContext:
     """Join the process group if torchrun launched us; otherwise describe a single process.
 
     ``device`` defaults to CUDA when available; ``backend`` defaults to NCCL on CUDA and gloo on
     CPU. ``timeout_s`` bounds how long a collective waits for a dead peer before raising.
     """
-    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not launched_by_torchrun():
-        dev = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-        return DistContext(rank=0, world_size=1, local_rank=0, device=dev, backend=None)
+        return DistContext(rank=0, world_size=1, local_rank=0, device=local_device(device, {}), backend=None)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = backend or default_backend(device_type)
-    if device_type == "cuda":
-        dev = torch.device("cuda", local_rank)
+    dev = local_device(device)
+    backend = backend or default_backend(dev.type)
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     global _store

@@ -7,7 +7,7 @@ The rules of the trainer's flags: what each numeric flag may hold, and what a --
 
 ``BOUNDS`` has one range per numeric field of ``gradnorm.trainer.config.TrainConfig`` (``validate``
 checks it and ``--help`` prints it); ``CHANGEABLE_ON_RESUME`` lists the flags that do not change a
-run's mathematics, which ``gradnorm.trainer.run.compare_resumed`` lets a ``--resume`` change.
+run's mathematics, which ``gradnorm.trainer.rundir.history.compare_resumed`` lets a ``--resume`` change.
 
 The dataclass and its CLI
 -------------------------
@@ -19,29 +19,31 @@ for every flag (``--grad-accum-steps`` is the field ``grad_accum_steps``). ``val
 value into a one-line ``ValueError`` before any model is built: every numeric field has one rule
 in ``BOUNDS`` (finite, in a documented range that ``--help`` prints), and ``CHANGEABLE_ON_RESUME``
 lists the flags a ``--resume`` may change; every other flag defines the run and must match the
-``config.json`` of the run it continues (``gradnorm.trainer.run.compare_resumed``).
+``config.json`` of the run it continues (``gradnorm.trainer.rundir.history.compare_resumed``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
+
 import torch
+
+from gradnorm.cli.oneline import OneLineParser  # one error: line, exit code 2
 from gradnorm.core.denominators import Denominator, parse_denominator
-from gradnorm.dist.wrap import ParallelKind
 from gradnorm.core.sharding import BUDGET_KINDS, ShardKind, check_divisible
+from gradnorm.dist.wrap import ParallelKind
 from gradnorm.tasks import RepeatTask
 
-
-# ------------------------------------------------------------------ The rules of the trainer's flags: what ea
+# ------------------------------------------------------------------ the rules of the flags
 
 @dataclass(frozen=True)
 class Range:
@@ -94,7 +96,7 @@ BOUNDS: dict[str, Range] = {
     "timeout_s": Range(10.0, 7 * 24 * 3600.0),
 }
 REPORTERS = ("tensorboard", "wandb")
-"""What --report-to may name (gradnorm.trainer.run logs to them, gradnorm.trainer.guards checks them)."""
+"""What --report-to may name (gradnorm.trainer.rundir.reporters logs to them, gradnorm.trainer.guards.preflight checks them)."""
 CONSTANT_DENOMINATOR = Range(1.0, 1e15)
 """The range of a numeric --loss-denominator C, which divides every token's loss."""
 
@@ -116,7 +118,7 @@ def changeable_on_resume(name: str, loss_denominator: str) -> bool:
     return name in CHANGEABLE_ON_RESUME
 
 
-# ------------------------------------------------------------------ The trainer's configuration: one dataclas
+# ------------------------------------------------------------------ the configuration
 
 @dataclass
 class TrainConfig:
@@ -333,7 +335,7 @@ class TrainConfig:
         """Raise a one-line ValueError for the first bad value; ``world_size`` is W.
 
         Pure: flags against their ranges and each other. Files, directories, the environment and
-        memory are checked by ``gradnorm.trainer.guards``.
+        memory are checked by ``gradnorm.trainer.guards`` (preflight, memory).
         """
         denominator = self.denominator  # raises on an unknown denominator
         if isinstance(denominator, float) and denominator not in CONSTANT_DENOMINATOR:
@@ -418,9 +420,6 @@ def field_docs(cls: type = TrainConfig) -> dict[str, str]:
     return docs
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse prints usage too; a bad flag deserves one line
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradnorm.dist import comm, wrap
 from gradnorm.core.grpo import group_advantages
+from gradnorm.dist import comm, wrap
 from gradnorm.tasks import Task
 
 

@@ -1,9 +1,4 @@
-"""Checkpoints, and where a run starts and how it continues.
-
-Checkpoints
------------
-
-Checkpoints: one directory per step, written by every rank at once, complete or absent.
+"""Checkpoints: one directory per step, written by every rank at once, complete or absent.
 
 Layout of output-dir/ (the same for ``--parallel ddp``, ``fsdp`` and a plain process):
 
@@ -33,52 +28,31 @@ DDP -> FSDP2, and back.
 
 Safe loading. Nothing in a checkpoint is ever unpickled without an allow-list: trainer_state.json is
 JSON; ``.metadata`` goes through a restricted unpickler and tensors through
-``torch.load(weights_only=True)`` (details in ``gradnorm.dist.state``). RNG states are tensors.
-
-Where a run starts and how it continues
----------------------------------------
-
-Where a run starts and how it continues: the policy, the warm-up, the counters, the checkpoints.
-
-A fresh run builds the policy (TinyGPT on the built-in task, or a Hugging Face model on JSONL
-prompts) and, for the built-in task, warms it up on demonstrations; a resumed one finds the latest
-complete checkpoint (``resume_point``, after the run's flags are checked against its config.json)
-and restores ``RunState`` and every tensor, resharded to this run's world size and --parallel.
-"""
+``torch.load(weights_only=True)`` (details in ``gradnorm.dist.state``). RNG states are tensors."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
-import random
 import re
 import shutil
-import time
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import copy
-
-import numpy as np
 import torch
 
 from gradnorm.core.errors import first_line
 from gradnorm.dist import comm
 from gradnorm.dist import state as dist_state
-from gradnorm.models import hf
-from gradnorm.tasks import Task
-from gradnorm.trainer import outpaths
-from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import Policy, warm_up
-from gradnorm.trainer.rollout import sampled_reward
-
-
-# ------------------------------------------------------------------ Checkpoints: one directory per step, writ
+from gradnorm.trainer.checkpoint.rng import rng_state, set_rng_state
 
 _NAME = re.compile(r"^ckpt_step(\d+)$")
+
+
 RUN_FILE = "trainer_state.json"
+
+
 ADVICE = "delete it to fall back on an earlier checkpoint (--resume, or python -m gradnorm.export --step N), or start afresh"
 
 
@@ -99,9 +73,6 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """
     found = [(int(m.group(1)), p) for p in Path(output_dir).glob("ckpt_step*") if (m := _NAME.match(p.name)) and p.is_dir()]
     return max(found)[1] if found else None
-
-
-# ------------------------------------------------------------------ save
 
 
 def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str, Any], rank: int) -> Path:
@@ -135,7 +106,7 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
                 shutil.rmtree(tmp, ignore_errors=True)
             what = f"{type(error).__name__}: {first_line(error, 400)}" if error is not None \
                 else "it failed on another rank"
-            # the run's files stay (gradnorm.trainer.run): the way on is --resume, or --overwrite with nothing to resume
+            # the run's files stay (gradnorm.trainer.rundir): the way on is --resume, or --overwrite with nothing to resume
             fixed = "once the cause is fixed (disk space, permissions)"
             if previous:
                 kept = f"the previous checkpoint {previous} is intact; {fixed}, --resume continues from it"
@@ -159,9 +130,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)  # the rename itself survives a power loss
     finally:
         os.close(fd)
-
-
-# ------------------------------------------------------------------ load
 
 
 def read_run_state(path: str | Path, required: tuple[str, ...]) -> dict[str, Any]:
@@ -260,176 +228,3 @@ def _load_error(path: Path, err: BaseException) -> ValueError:
         return ValueError(f"checkpoint {path} is refused by the safe unpickler (weights_only=True): {what}, so it "
                           f"is not a gradnorm checkpoint and may be malicious; {ADVICE}")
     return ValueError(f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {first_line(err)}); {ADVICE}")
-
-
-# ------------------------------------------------------------------ RNG states, as tensors
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    """Every RNG a run might draw from, as tensors: torch (CPU and CUDA), Python, NumPy.
-
-    The trainer's own randomness does not depend on them: rollouts and the warm-up draw from
-    generators seeded by (seed, step), and TinyGPT and the tiny test models have no dropout. They
-    are saved per rank so that anything drawing from the global RNGs (dropout in a Hugging Face
-    model, a user's reward) continues its stream on resume.
-    """
-    py_version, py_words, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": torch.tensor([py_version, *py_words], dtype=torch.int64),
-        "python_gauss": torch.tensor([0.0 if py_gauss is None else py_gauss, py_gauss is not None], dtype=torch.float64),
-        "numpy": torch.from_numpy(np_keys.astype(np.int64)),
-        "numpy_extra": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
-    }
-    assert np_kind == "MT19937"
-    if torch.cuda.is_available():
-        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Restore what ``rng_state`` captured."""
-    torch.set_rng_state(state["torch"])
-    words = state["python"].tolist()
-    gauss, has_gauss = state["python_gauss"].tolist()
-    random.setstate((words[0], tuple(words[1:]), gauss if has_gauss else None))
-    pos, has_gauss, cached = state["numpy_extra"].tolist()
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
-
-
-# ------------------------------------------------------------------ Where a run starts and how it continues:
-
-@dataclass
-class RunState:
-    """Where a run stands: what a checkpoint restores besides the weights, optimizer and RNGs."""
-
-    step: int = 0
-    """Optimizer steps done."""
-    warmup: dict = field(default_factory=dict)
-    """The warm-up's record (warmup.json)."""
-    elapsed_s: float = 0.0
-    """Seconds of GRPO before this process started (a resumed run continues the clock)."""
-    skipped: int = 0
-    """Steps skipped for a non-finite loss or gradient, in all."""
-    in_a_row: int = 0
-    """The same, in a row up to the last step."""
-
-
-RUN_FIELDS = tuple(f.name for f in fields(RunState))
-
-
-def start_or_resume(cfg: TrainConfig, policy: Policy, task: Task, ckpt_path: Path | None, autocast) -> RunState:
-    """A fresh run (reward, warm-up, reward), or the checkpoint's counters (its tensors are loaded
-    by ``load_checkpoint`` once the model is wrapped, into this run's shards)."""
-    if ckpt_path is not None:
-        run = read_run_state(ckpt_path, required=RUN_FIELDS)
-        return RunState(**{k: run[k] for k in RUN_FIELDS})
-    t = time.perf_counter()
-    with autocast():
-        before = sampled_reward(policy, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-    after = before
-    if cfg.builtin:  # a Hugging Face model starts from its own (pretrained) weights
-        warm_up(policy.model, task, cfg)
-        with autocast():
-            after = sampled_reward(policy, task, cfg.eval_prompts, cfg.temperature, cfg.seed)
-    warmup = {"steps": cfg.warmup_steps if cfg.builtin else 0, "reward_before": before,
-              "reward_after": after, "seconds": time.perf_counter() - t}
-    comm.print0(f"warm-up: {warmup['steps']} supervised steps, sampled reward {before:.3f} -> {after:.3f}")
-    return RunState(warmup=warmup)
-
-
-
-def save_checkpoint(out: Path, model, opt, ref, run: RunState, ctx: comm.DistContext, record: dict | None = None) -> None:
-    """Write ckpt_step{N}/: every rank its own shards, in parallel, nothing gathered on one rank.
-
-    ``record``, the step's line of metrics.jsonl, goes into trainer_state.json too: a resume whose
-    metrics.jsonl lost that line (torn, or never reached the disk) restores it from there.
-    """
-    counters = asdict(run) if record is None else {**asdict(run), "record": record}
-    save(out, run.step, dist_state.training_state(model, opt, ref), counters, ctx.rank)
-
-
-def saved_record(path: Path | None) -> dict | None:
-    """The metrics record a checkpoint holds of its own step (None: none, or an older checkpoint)."""
-    if path is None:
-        return None
-    record = read_run_state(path, required=()).get("record")
-    return record if isinstance(record, dict) else None
-
-
-
-def load_checkpoint(path: Path, model, opt, ref, ctx: comm.DistContext) -> None:
-    """Load a checkpoint written on any W and --parallel into this run's (possibly sharded) model."""
-    state = dist_state.training_state(model, opt, ref)  # this run's layout: the placeholders to fill
-    load(path, state, ctx.rank)
-    dist_state.apply_training_state(model, opt, ref, state)
-
-
-# ------------------------------------------------------------------ the trained policy as a Hugging Face dire
-
-
-def write_pretrained(config: Any, weights: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path) -> Path:
-    """``save_pretrained`` of a model with ``config`` and ``weights``, plus ``tokenizer``, atomically.
-
-    Written to ``.{name}.tmp`` beside ``out_dir``, then renamed over it: an interrupted export
-    leaves no half directory that ``from_pretrained`` could pick up. Only a directory an export
-    wrote is ever deleted (``gradnorm.trainer.outpaths``); anything else is a one-line ValueError first.
-    """
-    transformers = hf.require_transformers()
-    out = outpaths.check_export_dir(out_dir, flag="the export directory")  # checked again: a run lasts days
-    tmp = outpaths.temporary(out)
-    config = copy.deepcopy(config)
-    config.use_cache = True  # training turned the KV cache off; generation elsewhere wants it
-    with torch.device("meta"):  # no second copy of the weights: they are assigned below
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(weights, assign=True, strict=True)
-    model.tie_weights()  # assign broke the tie of tied embeddings (the values are equal)
-    outpaths.remove(tmp)  # a killed export's leftover (marked), never someone else's
-    outpaths.create(tmp)
-    try:
-        model.save_pretrained(tmp)  # safetensors
-        tokenizer.save_pretrained(tmp)
-        outpaths.remove(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def save_trained(model: torch.nn.Module, tokenizer: Any, out_dir: Path, is_main: bool) -> None:
-    """The trainer's export at the end of a run. Every rank must call it (a collective under FSDP2)."""
-    weights = dist_state.full_model_state(model)  # full on rank 0, {} elsewhere
-    error = None
-    if is_main:
-        try:
-            write_pretrained(model.config, weights, tokenizer, out_dir)
-            print(f"trained policy saved to {out_dir} (AutoModelForCausalLM.from_pretrained)", flush=True)
-        except (OSError, ValueError) as err:  # ValueError: the target changed since the preflight
-            error = err
-    if not comm.all_true(error is None):
-        raise CheckpointError(f"could not export the trained policy to {out_dir} ({error}); "
-                                            "the checkpoints are intact: python -m gradnorm.export converts them")
-
-
-def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
-    """Convert a run's checkpoint (the latest complete one, or ``step``) to ``out_dir``; ValueError otherwise."""
-    outpaths.check_export_dir(out_dir, run_dir)  # before anything is read: the run itself may be the target
-    run_dir = Path(run_dir)
-    try:
-        config = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{run_dir}: cannot read the run's config.json ({err})") from None
-    name = config.get("model", "tiny")
-    if name == "tiny":
-        raise ValueError(f"{run_dir} trained the built-in TinyGPT, which is not a Hugging Face model")
-    ckpt = latest_checkpoint(run_dir) if step is None else checkpoint_dir(run_dir, step)
-    if ckpt is None or not ckpt.is_dir():
-        raise ValueError(f"{run_dir}: no complete checkpoint {'ckpt_step*' if step is None else ckpt.name}/")
-    weights = read_tensors(ckpt, "model")
-    tokenizer = hf.load_tokenizer(name)
-    model_config = hf.require_transformers().AutoConfig.from_pretrained(name)
-    model_config.pad_token_id = tokenizer.pad_token_id  # as hf.load_causal_lm set it for training
-    return write_pretrained(model_config, weights, tokenizer, out_dir)
