@@ -12,7 +12,7 @@ EXTRAS ?= notebooks,test,hf,report
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test figures example bench study clean
+.PHONY: install demo test test-fast figures example bench study clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ COV ?= --cov=gradnorm --cov-report=term-missing:skip-covered
 test: install
 	$(PY) -m pytest --nbmake $(COV)
 
+# The edit loop: the unit tests, in-process only (no torchrun launches or end-to-end runs, no
+# notebooks, no browser, no coverage). `make test` stays the whole suite and CI's command.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not browser"
+
 figures: install
 	$(PY) figures/make_figures.py
 
@@ -44,11 +49,11 @@ example: install
 	$(PY) -m gradnorm.teach.worked_example
 
 # Regenerates every committed benchmark result: results.md/.json, rollouts.md, vs_trl.md/.json, packing.md/.json, phases.md/.json, decode_ab.md/.json,
-# forward_ab.md/.json, cli_parsers.md, canvas_latency.md and the README's numbers (between its bench and demo markers). Installs the optional `bench`
+# forward_ab.md/.json, cli_parsers.md, canvas_latency.md, docs/benchmarks.md's numbers (between its bench markers) and the README's demo block. Installs the optional `bench`
 # extra (TRL, and tyro and ipympl, the libraries docs/design.md weighs) first.
 bench: install
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]"
-	OMP_NUM_THREADS=1 $(PY) benchmarks/bench.py --out benchmarks --readme README.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench.py --out benchmarks --readme docs/benchmarks.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/rollouts.py --drift --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_trl.py --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/packing.py --out benchmarks
