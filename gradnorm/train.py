@@ -106,7 +106,7 @@ from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.errors import first_line
 from gradnorm.core.sharding import passes
 from gradnorm.dist import comm, wrap
-from gradnorm.trainer import scoring, start, step as steps
+from gradnorm.trainer import scoring, start, step as steps  # `step` is the loop's counter
 from gradnorm.trainer.checkpoint import export, store
 from gradnorm.trainer.checkpoint.checkpointer import Checkpointer, RunState, saved_record
 from gradnorm.trainer.config import TrainConfig, parse_config
@@ -165,9 +165,11 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
                 # log-probs of the sampling policy (needed once samples are reused) and of the reference:
                 # each rank scores 1/W of the batch, then one all-to-all gives it those of the rows it
                 # trains on (FSDP2 ranks call in lockstep)
-                with log.phase("scoring"), torch.no_grad(), autocast():
-                    old_logp, ref_logp = scoring.score(policy, [model if U > 1 else None, ref], rollout,
-                                                       scoring.shares(rollout, cfg, ctx.world_size), ctx.rank, cfg.pack)
+                if U > 1 or ref is not None:
+                    with log.phase("scoring"), torch.no_grad(), autocast():
+                        old_logp, ref_logp = scoring.score(policy, [model if U > 1 else None, ref], rollout,
+                                                           scoring.shares(rollout, cfg, ctx.world_size), ctx.rank,
+                                                           cfg.pack)
 
             # 2. Shard: this rank's microbatches of the global minibatch.
             with log.phase("shard"):
