@@ -13,9 +13,8 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
-from gradnorm.trainer.checkpoint.store import latest_checkpoint
-
 from gradnorm.core.denominators import parse_denominator
+from gradnorm.trainer.checkpoint.store import latest_checkpoint
 from gradnorm.trainer.config import TrainConfig, changeable_on_resume
 from gradnorm.trainer.rundir.lock import now
 

@@ -1,12 +1,9 @@
-"""What a run writes as it goes: metrics.jsonl (one record per optimizer step), the console, the summary.
+"""metrics.jsonl: one record per optimizer step, written by rank 0 as the run goes.
 
-Rank 0 alone writes. ``open_metrics`` cuts a resumed run's file back to its checkpoint (torn or
-foreign lines dropped with a warning), ``step_record`` builds one line from global statistics (the
-same on every rank), ``write_record`` appends it and shows it, ``summarize`` prints the outcome and
-draws the learning curve.
-
-The learning curve (``learning_curve.png``) is drawn by ``gradnorm.trainer.rundir.curves``, which loads no
-distributed code, so the notebooks draw it too."""
+``open_metrics`` cuts a resumed run's file back to its checkpoint (torn or foreign lines dropped
+with a warning), ``write_record`` appends a line (``gradnorm.trainer.record`` builds it from global
+statistics, the same on every rank) and has the console show it, ``sync`` puts the file on disk
+before a checkpoint that covers its lines. What a person sees of it is ``gradnorm.trainer.rundir.console``."""
 
 from __future__ import annotations
 
@@ -16,9 +13,9 @@ import sys
 from pathlib import Path
 
 import torch
-from gradnorm.trainer.rundir.curves import read_metrics, write_learning_curve
 
 from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.rundir import console
 from gradnorm.trainer.rundir.history import write_config
 from gradnorm.trainer.rundir.phases import METRIC_KEYS
 
@@ -26,8 +23,7 @@ TIMING_KEYS = ("tokens_per_second", "elapsed_s", "max_memory_gib", *METRIC_KEYS)
 """Measured metrics (wall time; CUDA memory): everything else in metrics.jsonl is a function of the config."""
 
 
-BAR_PHASES = ("rollout", "forward_backward", "optimizer")
-"""Phase times (gradnorm.trainer.rundir) the progress bar shows beside the reward."""
+
 
 
 def open_run_files(out: Path, cfg: TrainConfig, world_size: int, step: int, warmup: dict, record: dict | None = None):
@@ -95,39 +91,7 @@ def timing_fields(device: torch.device) -> dict:
 
 
 def write_record(metrics, bar, record: dict, cfg: TrainConfig) -> None:
-    """Append the record to metrics.jsonl and show it (progress bar, or a line every --log-every steps).
-
-    A skipped step's non-finite statistics are None in the record; they print as null.
-    """
+    """Append the record to metrics.jsonl, then show it (``console.show``)."""
     metrics.write(json.dumps(record) + "\n")
     metrics.flush()
-
-    def show(key: str, spec: str) -> str:
-        return "null" if record.get(key) is None else format(record[key], spec)
-
-    timed = [p for p in BAR_PHASES if record.get(f"time_{p}_s") is not None]  # where the step's time went
-    bar.update(1)
-    skew = {"skew": f"{record['skew_max']:.2f}x"} if record.get("skew_max") is not None else {}  # local's loudest token
-    bar.set_postfix(reward=show("reward_mean", ".3f"), **skew, tok_s=show("tokens_per_second", ".0f"),
-                    **{p: show(f"time_{p}_s", ".2f") + "s" for p in timed})
-    step = record["step"]
-    if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps):
-        print(" ".join([f"step {step}/{cfg.steps} reward {show('reward_mean', '.3f')} loss {show('loss', '.4f')} "
-                        f"grad_norm {show('grad_norm', '.4f')} tokens/s {show('tokens_per_second', '.0f')}",
-                        *(f"{p} {show(f'time_{p}_s', '.3f')}s" for p in timed)]), flush=True)
-
-
-def summarize(out: Path, plot: bool) -> None:
-    """Print the run's outcome and draw its learning curve (rank 0)."""
-    rows = read_metrics(out / "metrics.jsonl")
-    last = rows[-10:]
-    warmup = json.loads((out / "warmup.json").read_text())
-    print(f"reward: {warmup['reward_before']:.3f} before warm-up, {warmup['reward_after']:.3f} after; "
-          f"mean of the last {len(last)} steps {sum(r['reward_mean'] for r in last) / len(last):.3f} "
-          f"(max 1.0); {rows[-1]['elapsed_s']:.0f} s of GRPO")
-    if not plot:
-        return
-    try:
-        print(f"learning curve: {write_learning_curve(out)}")
-    except ImportError:
-        print("learning curve skipped: matplotlib is not installed (pip install -e '.[notebooks]')")
+    console.show(bar, record, cfg)

@@ -22,7 +22,6 @@ from gradnorm.core.errors import first_line
 from gradnorm.trainer.config import TrainConfig
 
 
-
 def numeric(record: dict) -> dict[str, float]:
     """The numeric keys of a metrics line, step aside (no None, bool, string or list)."""
     return {k: v for k, v in record.items()
@@ -77,7 +76,9 @@ class Reporters:
         """Log the learning curve (when given and drawn) at the last step, then finish every logger."""
         if figure is not None and figure.is_file():
             if self._tb is not None:
-                from matplotlib.image import imread  # the figure exists, so matplotlib does
+                from matplotlib.image import (
+                    imread,  # the figure exists, so matplotlib does
+                )
 
                 self._tb.add_image("learning_curve", imread(figure), self.step, dataformats="HWC")
             if self._wandb is not None:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from gradnorm.dist import comm
 from gradnorm.trainer.checkpoint.checkpointer import RunState
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.rundir import metrics
+from gradnorm.trainer.rundir import console, metrics
 from gradnorm.trainer.rundir.phases import PhaseTimer
 from gradnorm.trainer.rundir.reporters import Reporters
 
@@ -63,7 +63,7 @@ class RunLog:
         comm.print0(f"last checkpoint written in {self.timer.peek('checkpoint'):.2f} s "
                     "(each line of metrics.jsonl has the one before it)")
         self.file.close()
-        metrics.summarize(self.out, self.cfg.plot)
+        console.summarize(self.out, self.cfg.plot)
         if self.reporters is not None:
             self.reporters.close(figure=self.out / "learning_curve.png" if self.cfg.plot else None)
 
