@@ -232,6 +232,35 @@ def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_
             compare_resumed(parse_config([*same, *flags]), {**old, "seed": 2**62})
 
 
+def test_a_local_run_resumes_only_on_its_own_number_of_ranks():
+    # Under local W is part of the objective (weights 1 / (W A N[r, m])); a token run may change it.
+    from gradnorm.trainer.rundir.history import compare_resumed
+
+    local = ["--loss-denominator", "local", "--resume"]
+    old = {**parse_config(local).to_dict(), "world_size": 1}
+    compare_resumed(parse_config(local), old, world_size=1)  # the same W: no error
+    with pytest.raises(ValueError, match="local on 1 rank, and this start has 2; .* same number of ranks"):
+        compare_resumed(parse_config(local, world_size=2), old, world_size=2)
+    # the control: the same change of W under the default token mean is allowed
+    token = ["--resume"]
+    compare_resumed(parse_config(token, world_size=2), {**parse_config(token).to_dict(), "world_size": 1},
+                    world_size=2)
+
+
+def test_main_refuses_to_resume_a_local_run_on_another_number_of_ranks(tmp_path, capsys):
+    # Through main(): the W it checks is this start's. The run is written on 1 process and its
+    # config.json then says 2 ranks, the same state a 2-rank run's directory is in.
+    out = tmp_path / "run"
+    assert run_main(out, "--loss-denominator", "local", "--steps", "1") == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "world_size": 2}))
+    capsys.readouterr()
+    assert run_main(out, "--loss-denominator", "local", "--steps", "2", "--resume") == 2
+    one_error_line(capsys.readouterr().err, "local on 2 ranks, and this start has 1")
+    (out / "config.json").write_text(json.dumps(config))  # the control: its own W resumes
+    assert run_main(out, "--loss-denominator", "local", "--steps", "2", "--resume") == 0
+
+
 # ------------------------------------------------------------------ --overwrite and the lock
 
 

@@ -68,11 +68,23 @@ def changed_flags(cfg: TrainConfig, old: dict) -> dict[str, list]:
             if name in old and not _same(name, old[name], value) and name not in ("resume", "overwrite")}  # how, not what
 
 
-def compare_resumed(cfg: TrainConfig, old: dict | None) -> None:
-    """A one-line ValueError naming every flag that defines the run and differs from ``old``."""
+def compare_resumed(cfg: TrainConfig, old: dict | None, world_size: int | None = None) -> None:
+    """A one-line ValueError naming every flag that defines the run and differs from ``old``.
+
+    Under ``local`` the number of ranks defines the run too: its weights are 1 / (W A N[r, m]), so
+    a resume on another W trains on another objective, as another --grad-accum-steps would (every
+    other denominator is invariant to W: that is the point). ``world_size`` is this start's W;
+    ``old["world_size"]`` the latest start's.
+    """
     if old is None:
         return
     denominator = old.get("loss_denominator", cfg.loss_denominator)
+    before = old.get("world_size")
+    if denominator == "local" and world_size is not None and isinstance(before, int) and before != world_size:
+        raise ValueError(f"--resume: {cfg.output_dir} trained with --loss-denominator local on {before} "
+                         f"rank{'s' if before != 1 else ''}, and this start has {world_size}; under local the "
+                         "number of ranks changes the update, so resume it on the same number of ranks, or start "
+                         "a new run (another --output-dir, or --overwrite)")
     fixed = {name: pair for name, pair in changed_flags(cfg, old).items()
              if not changeable_on_resume(name, denominator)}
     if fixed:
@@ -97,11 +109,11 @@ def write_config(out: Path, cfg: TrainConfig, world_size: int, step: int) -> Non
     os.replace(tmp, out / "config.json")  # a crash mid-write leaves the old config.json
 
 
-def resume_point(cfg: TrainConfig) -> Path | None:
+def resume_point(cfg: TrainConfig, world_size: int | None = None) -> Path | None:
     """The checkpoint --resume continues from, once the run it continues is known to match.
 
-    One-line ValueErrors: no checkpoint; a flag that defines the run differs from config.json
-    (``compare_resumed``); --steps not beyond the checkpoint's step.
+    One-line ValueErrors: no checkpoint; a flag that defines the run differs from config.json, or
+    a ``local`` run's number of ranks (``compare_resumed``); --steps not beyond the checkpoint's step.
     """
     if not cfg.resume:
         return None
@@ -110,7 +122,7 @@ def resume_point(cfg: TrainConfig) -> Path | None:
         old = " (its ckpt_step*.pt files are the single-file format of earlier versions)" \
             if any(Path(cfg.output_dir).glob("ckpt_step*.pt")) else ""
         raise ValueError(f"--resume: no complete checkpoint ckpt_step*/ in {cfg.output_dir}{old}")
-    compare_resumed(cfg, read_config(Path(cfg.output_dir)))
+    compare_resumed(cfg, read_config(Path(cfg.output_dir)), world_size)
     done = re.match(r"ckpt_step(\d+)", path.name)
     if done and int(done.group(1)) >= cfg.steps:
         raise ValueError(f"--resume: {path} is at step {done.group(1)} and --steps is {cfg.steps}: nothing to do; "
