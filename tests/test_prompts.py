@@ -35,6 +35,7 @@ def test_the_example_file_loads():
 def test_answers_may_be_numbers_and_blank_lines_are_skipped(tmp_path):
     examples = load_prompts(write(tmp_path, '{"prompt": "1+1?", "answer": 2}\n\n{"prompt": "x", "answer": "-3"}\n'))
     assert [ex.answer for ex in examples] == ["2", "-3"]
+    assert load_prompts(write(tmp_path, '{"prompt": "x", "answer": 1e300}\n'))[0].answer == "1e+300"  # finite: kept
 
 
 @pytest.mark.parametrize("text, message", [
@@ -44,6 +45,8 @@ def test_answers_may_be_numbers_and_blank_lines_are_skipped(tmp_path):
     ('["a", "1"]\n', r"p\.jsonl:1: expected a JSON object"),
     ('{"prompt": "", "answer": "1"}\n', r"p\.jsonl:1: \"prompt\" must be a non-empty string"),
     ('{"prompt": "a", "answer": null}\n', r"p\.jsonl:1: \"answer\" must be a string or a number"),
+    ('{"prompt": "a", "answer": NaN}\n', r"p\.jsonl:1: \"answer\" is nan, which no response can match"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": -Infinity}\n', r"p\.jsonl:2: \"answer\" is -inf"),
     ('\n\n', r"holds no prompts"),
 ])
 def test_bad_files_give_one_line_errors(tmp_path, text, message):

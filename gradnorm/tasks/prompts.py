@@ -22,6 +22,7 @@ The reward of a response is a function ``reward(response_text, answer) -> float`
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,9 @@ def load_prompts(path: str | Path) -> list[PromptExample]:
         answer = row["answer"]
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise ValueError(f"{path}:{n}: \"answer\" must be a string or a number, got {type(answer).__name__}")
+        if isinstance(answer, float) and not math.isfinite(answer):  # NaN / Infinity: JSON's loader takes them
+            raise ValueError(f"{path}:{n}: \"answer\" is {answer}, which no response can match; write the answer "
+                             "as a finite number or a string")
         examples.append(PromptExample(row["prompt"], answer if isinstance(answer, str) else json.dumps(answer)))
     if not examples:
         raise ValueError(f"prompts file {path} holds no prompts")
