@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
             stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
             with log.phase("checkpoint"):
                 saved = checkpointer.save(run, stop, record=line, before=log.sync)
-            if stop and step < cfg.steps:
+            if stop and (step < cfg.steps or checkpointer.abandons(step, stop)):
                 raise preemption.Stopped(stop, step, saved)
             if run.in_a_row >= cfg.max_skipped_steps:
                 raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step "

@@ -185,9 +185,10 @@ def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monk
     assert comparable(stopped) == comparable(full)
 
 
-def test_ctrl_c_right_after_an_accidental_overwrite_puts_the_old_run_back(tmp_path, capsys):
+@pytest.mark.parametrize("steps", ["3", "1"])  # 1: the first chance is the last step too
+def test_ctrl_c_right_after_an_accidental_overwrite_puts_the_old_run_back(tmp_path, capsys, steps):
     """Ctrl-C during the warm-up of an --overwrite run: before, the stop waited for step 1, whose
-    checkpoint completed the overwrite and deleted the old run."""
+    checkpoint completed the overwrite and deleted the old run (with --steps 1 it also exited 0)."""
     out = tmp_path / "run"
     assert main([*TINY, "--steps", "2", "--output-dir", str(out)]) == 0
     before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
@@ -195,7 +196,7 @@ def test_ctrl_c_right_after_an_accidental_overwrite_puts_the_old_run_back(tmp_pa
     with preemption.catch_signals():
         os.kill(os.getpid(), signal.SIGINT)  # pressed as the new run starts, before its first GRPO step
         wait_for(lambda: preemption.requested() is not None)
-        assert main([*TINY, "--steps", "3", "--seed", "5", "--save-every", "1", "--output-dir", str(out),
+        assert main([*TINY, "--steps", steps, "--seed", "5", "--save-every", "1", "--output-dir", str(out),
                      "--overwrite"]) == 130
     err = capsys.readouterr().err
     assert "stopped by SIGINT after step 1, the first of this --overwrite run: no checkpoint written" in err, err

@@ -88,8 +88,9 @@ class Checkpointer:
     def abandons(self, step: int, stop) -> bool:
         """A stop at the first chance of an --overwrite run (Ctrl-C right after an accidental
         --overwrite, during warm-up) writes no checkpoint: its first one would delete the old run,
-        which main's RunDir puts back instead. The same decision on every rank (the stop is agreed)."""
-        return bool(stop) and self.cfg.overwrite and step == self.cfg.updates_per_rollout and step < self.cfg.steps
+        which main's RunDir puts back instead, also when that first chance is the run's last step.
+        The same decision on every rank (the stop is agreed)."""
+        return bool(stop) and self.cfg.overwrite and step == self.cfg.updates_per_rollout
 
     def due(self, step: int, stop) -> bool:
         every = self.cfg.save_every and step % self.cfg.save_every == 0
