@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, world_size = launch.launch_environment()
         cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
         preflight.check_inputs(cfg)
-        lock.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite)
+        lock.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite, rank)
         ckpt_path = history.resume_point(cfg, world_size)
         memory.check_fits(cfg, world_size, launch.device_of(cfg), sharing=launch.local_ranks())
         if rank == 0:  # rank 0 alone writes output-dir

@@ -7,7 +7,10 @@ directories and torn ones included, is set aside and put back whole. A save that
 to go on, and that way works. (The whole-run cases are in tests/test_bad_input_runtime.py.)
 """
 
+import json
 import os
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,26 @@ def replaced_run(tmp_path: Path, replacement_saved: str) -> Path:
     (out / "config.json").write_text('{"seed": 5}')
     checkpoint(out, replacement_saved)
     return out
+
+
+def test_a_live_overwrite_run_is_in_use_not_stranded(tmp_path):
+    # An --overwrite run in its warm-up: previous_run/ and no checkpoint yet, and its lock is live.
+    out = tmp_path / "run"
+    (out / lock.PREVIOUS).mkdir(parents=True)
+    (out / lock.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
+    with pytest.raises(ValueError, match="is in use by another run"):
+        lock.check(out, resume=True, overwrite=False)
+    # the control: the same directory once that run is dead (its pid gone) is a stranded replacement
+    dead = _dead_pid()
+    (out / lock.LOCK).write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "started": "then"}))
+    with pytest.raises(ValueError, match="stopped before its first checkpoint"):
+        lock.check(out, resume=True, overwrite=False)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid  # reaped: no process has it now (pids are not reused this fast)
 
 
 def test_a_torn_checkpoint_does_not_release_the_old_run(tmp_path):

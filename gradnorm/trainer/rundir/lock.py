@@ -52,8 +52,17 @@ def has_checkpoint(out: Path) -> bool:
     return latest_checkpoint(out) is not None
 
 
-def check(out: Path, resume: bool, overwrite: bool) -> None:
-    """The read-only decision every rank takes before anything is written; a one-line ValueError."""
+def check(out: Path, resume: bool, overwrite: bool, rank: int = 0) -> None:
+    """The read-only decision every rank takes before anything is written; a one-line ValueError.
+
+    On rank 0, the one that takes the lock, another run's live lock comes first: while an
+    --overwrite run is in its warm-up, previous_run/ exists and no checkpoint does, which is not a
+    stranded replacement but one still running. (Another rank may see its own job's rank 0 holding
+    the lock already, so it leaves the lock to rank 0, whose line is printed first.)
+    """
+    owner = live_owner(out / LOCK) if rank == 0 else None
+    if owner is not None:
+        raise ValueError(in_use(out, owner))
     stranded = (out / PREVIOUS).is_dir() and not has_checkpoint(out)
     if stranded and not overwrite:
         raise ValueError(f"{out / PREVIOUS} holds the run that an --overwrite replaced, and the replacement "
@@ -141,15 +150,14 @@ class RunDir:
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                owner = _read_lock(path)
-                if owner.get("host") == me["host"] and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
-                    print(f"warning: {path} was left by pid {owner['pid']}, which is no longer running (a killed "
+                owner = live_owner(path)
+                if owner is None:
+                    stale = _read_lock(path)
+                    print(f"warning: {path} was left by pid {stale['pid']}, which is no longer running (a killed "
                           "run); taking it over", file=sys.stderr, flush=True)
                     path.unlink(missing_ok=True)
                     continue
-                who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
-                raise ValueError(f"--output-dir {self.out} is in use by another run ({who}, since "
-                                 f"{owner.get('started', '?')}); wait for it, or delete {path} if that run is gone") from None
+                raise ValueError(in_use(self.out, owner)) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.locked = True
@@ -165,6 +173,22 @@ class RunDir:
 def _logged(out: Path) -> bool:
     metrics = out / "metrics.jsonl"
     return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def live_owner(path: Path) -> dict | None:
+    """The owner recorded in the lock ``path``, unless there is no lock or it is provably stale: its
+    pid is dead on this host (a killed run). A lock of another host, or a torn one, is respected."""
+    if not path.exists():
+        return None
+    owner = _read_lock(path)
+    stale = owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"])
+    return None if stale else owner
+
+
+def in_use(out: Path, owner: dict) -> str:
+    who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
+    return (f"--output-dir {out} is in use by another run ({who}, since {owner.get('started', '?')}); wait for it, "
+            f"or delete {out / LOCK} if that run is gone")
 
 
 def _read_lock(path: Path) -> dict:
