@@ -232,6 +232,23 @@ def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_
             compare_resumed(parse_config([*same, *flags]), {**old, "seed": 2**62})
 
 
+def test_resume_refuses_a_prompts_file_regenerated_at_the_same_path(tmp_path):
+    from gradnorm.trainer.rundir.history import compare_resumed, read_config, write_config
+
+    prompts, model = tmp_path / "p.jsonl", tmp_path / "model"
+    prompts.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    model.mkdir()
+    flags = ["--model", str(model), "--prompts", str(prompts)]
+    write_config(tmp_path, parse_config(flags), 1, 0)
+    old = read_config(tmp_path)
+    compare_resumed(parse_config([*flags, "--resume"]), old)  # the same bytes: no error
+    prompts.write_text('{"prompt": "2+2?", "answer": "4"}\n')  # regenerated in place
+    with pytest.raises(ValueError, match=r"--prompts .*p\.jsonl is not the file this run trained on"):
+        compare_resumed(parse_config([*flags, "--resume"]), old)
+    # the control: a config.json of an earlier version, without the digest, is resumed as before
+    compare_resumed(parse_config([*flags, "--resume"]), {k: v for k, v in old.items() if k != "prompts_sha256"})
+
+
 def test_a_local_run_resumes_only_on_its_own_number_of_ranks():
     # Under local W is part of the objective (weights 1 / (W A N[r, m])); a token run may change it.
     from gradnorm.trainer.rundir.history import compare_resumed

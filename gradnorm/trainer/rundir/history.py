@@ -7,6 +7,7 @@ complete checkpoint (``resume_point``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -61,6 +62,14 @@ def _same(name: str, old, new) -> bool:
         return False
 
 
+def prompts_digest(cfg: TrainConfig) -> str | None:
+    """sha256 of the --prompts file's bytes (None: the built-in task, or no such file): the path alone
+    does not say what a run trained on, since a file can be regenerated in place."""
+    if cfg.prompts is None or not Path(cfg.prompts).is_file():
+        return None
+    return hashlib.sha256(Path(cfg.prompts).read_bytes()).hexdigest()
+
+
 def changed_flags(cfg: TrainConfig, old: dict) -> dict[str, list]:
     """{field: [old value, new value]} for every flag that differs from the old run's config.json."""
     new = cfg.to_dict()
@@ -87,6 +96,11 @@ def compare_resumed(cfg: TrainConfig, old: dict | None, world_size: int | None =
                          "a new run (another --output-dir, or --overwrite)")
     fixed = {name: pair for name, pair in changed_flags(cfg, old).items()
              if not changeable_on_resume(name, denominator)}
+    digest = prompts_digest(cfg)
+    if old.get("prompts_sha256") and digest and digest != old["prompts_sha256"] and "prompts" not in fixed:
+        raise ValueError(f"--resume: --prompts {cfg.prompts} is not the file this run trained on (its contents changed "
+                         f"since: sha256 {old['prompts_sha256'][:12]}... -> {digest[:12]}...); resume with the run's "
+                         "file, or start a new run (another --output-dir, or --overwrite)")
     if fixed:
         listed = ", ".join(f"--{name.replace('_', '-')} {old_value} -> {new_value}"
                            for name, (old_value, new_value) in fixed.items())
@@ -103,7 +117,8 @@ def write_config(out: Path, cfg: TrainConfig, world_size: int, step: int) -> Non
         if old is None:
             entry["note"] = "resumed without a config.json: flags not compared"
     history = (old or {}).get("history", [])
-    config = {**cfg.to_dict(), "world_size": world_size, "history": [*history, entry]}
+    config = {**cfg.to_dict(), "world_size": world_size, "prompts_sha256": prompts_digest(cfg),
+              "history": [*history, entry]}
     tmp = out / ".config.json.tmp"
     tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp, out / "config.json")  # a crash mid-write leaves the old config.json
