@@ -93,12 +93,7 @@ class HFPolicy:
     def score(self, module, tokens, prompt_len):
         return hf.response_logprobs(module, tokens, prompt_len, pad_id=self.model.config.pad_token_id,
                                     keep_logits=hf.accepts_logits_to_keep(self.model),
-                                    share_prompts=self.prompts_once(module) is None)
-
-    def prompts_once(self, module: nn.Module) -> str | None:
-        """Why scoring through ``module`` computes every row's prompt, or None when it computes each
-        distinct prompt once (``hf.prompts_once``)."""
-        return hf.prompts_once(module)
+                                    share_prompts=hf.prompts_once(module) is None)
 
     def blocks(self):
         # transformers names its repeated block classes in _no_split_modules (LlamaDecoderLayer...)
@@ -121,7 +116,7 @@ class HFPolicy:
 
     def scoring(self, module: nn.Module) -> str:
         """How the scoring and training forwards through ``module`` compute prompts, in words for the run's log."""
-        why_not = self.prompts_once(module)
+        why_not = hf.prompts_once(module)
         return "each distinct prompt once (gradnorm.models.hf.response_logprobs)" if why_not is None \
             else f"every row's prompt ({why_not})"
 

@@ -43,7 +43,6 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals that stop a run; ``votes`` has one entry per signal, in this order."""
 
 
-NUM_VOTES = len(SIGNALS)
 
 
 DUPLICATE_S = 1.0
@@ -143,7 +142,7 @@ def requested() -> signal.Signals | None:
 
 
 def votes(like: Tensor) -> Tensor:
-    """This rank's stop votes (NUM_VOTES,), float64 on ``like``'s device: 1 for the signal received."""
+    """This rank's stop votes (len(SIGNALS),), float64 on ``like``'s device: 1 for the signal received."""
     return torch.tensor([float(_requests.first == s) for s in SIGNALS], dtype=torch.float64, device=like.device)
 
 
