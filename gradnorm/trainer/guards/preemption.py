@@ -42,9 +42,6 @@ from torch import Tensor
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals that stop a run; ``votes`` has one entry per signal, in this order."""
 
-
-
-
 DUPLICATE_S = 1.0
 """A repeat of the first signal within this many seconds is the same stop request, not a second one."""
 
