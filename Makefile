@@ -37,8 +37,9 @@ COV ?= --cov=gradnorm --cov-report=term-missing:skip-covered
 test: install
 	$(PY) -m pytest --nbmake $(COV)
 
-# The edit loop: the unit tests, in-process only (no torchrun launches or end-to-end runs, no
-# notebooks, no browser, no coverage). `make test` stays the whole suite and CI's command.
+# The edit loop: every test not marked slow or browser (no end-to-end training runs, no notebooks,
+# no browser, no coverage; spawned gloo ranks and a few short launches stay). `make test` stays the
+# whole suite and CI's command.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not browser"
 

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gradnorm.teach.launch import torchrun_command  # noqa: E402
-from gradnorm.trainer.rundir.phases import MAX_PHASES, PHASES# noqa: E402
+from gradnorm.trainer.rundir.phases import MAX_PHASES, PHASES  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CONFIGS = {"default": [], "reuse + KL": ["--beta", "0.04", "--minibatches-per-rollout", "2"]}

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import sys
 
-from gradnorm.trainer.checkpoint.export import export_checkpoint, save_trained, write_pretrained# noqa: F401 (the API)
 from gradnorm.cli.oneline import OneLineParser  # the trainer's too: one error: line, exit code 2
+from gradnorm.trainer.checkpoint.export import export_checkpoint, save_trained, write_pretrained  # noqa: F401 (the API)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,7 +106,8 @@ from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.errors import first_line
 from gradnorm.core.sharding import passes
 from gradnorm.dist import comm, wrap
-from gradnorm.trainer import scoring, start, step as steps  # `step` is the loop's counter
+from gradnorm.trainer import scoring, start
+from gradnorm.trainer import step as steps  # `step` is the loop's counter
 from gradnorm.trainer.checkpoint import export, store
 from gradnorm.trainer.checkpoint.checkpointer import Checkpointer, RunState, saved_record
 from gradnorm.trainer.config import TrainConfig, parse_config

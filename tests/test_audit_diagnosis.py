@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from audit_command import run, verdict_of  # tests/audit_command.py
 
 from gradnorm.audit import contract, conventions, decide
 from gradnorm.audit.cli import main
 from gradnorm.core.sharding import SHARD_KINDS
-from audit_command import run, verdict_of  # tests/audit_command.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -20,11 +20,11 @@ import time
 
 import pytest
 import torch
+from audit_command import run, verdict_of  # tests/audit_command.py
 from torch.testing import assert_close
 
 from gradnorm.audit import conventions, decide, masking, measurement, splits, synthetic
 from gradnorm.audit.cli import main
-from audit_command import run, verdict_of  # tests/audit_command.py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from gradnorm.trainer.guards.launch import TORCHRUN_VARS
 from gradnorm.train import main
 from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.guards.launch import TORCHRUN_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "--eval-prompts", "2",

@@ -17,22 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from gradnorm.trainer.checkpoint import checkpointer
-from gradnorm.trainer.checkpoint import store
-from gradnorm.trainer.guards import launch
-from gradnorm.trainer.guards import memory
 from gradnorm import train as train_module
-from gradnorm.trainer import step
-from gradnorm.tasks.rewards import RewardError, call_reward
-from gradnorm.trainer.rundir.lock import RunDir
-from gradnorm.tasks import RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer.rundir.metrics import open_metrics, write_record
-from gradnorm.trainer.checkpoint.checkpointer import RUN_FIELDS
-from gradnorm.train import main
-from gradnorm.trainer.config import CHANGEABLE_ON_RESUME
-from gradnorm.trainer.config import TrainConfig, field_docs, parse_config
+from gradnorm.tasks import RepeatTask
+from gradnorm.tasks.rewards import RewardError, call_reward
 from gradnorm.teach.launch import torchrun_command
+from gradnorm.train import main
+from gradnorm.trainer import step
+from gradnorm.trainer.checkpoint import checkpointer, store
+from gradnorm.trainer.checkpoint.checkpointer import RUN_FIELDS
+from gradnorm.trainer.config import CHANGEABLE_ON_RESUME, TrainConfig, field_docs, parse_config
+from gradnorm.trainer.guards import launch, memory
+from gradnorm.trainer.rundir.lock import RunDir
+from gradnorm.trainer.rundir.metrics import open_metrics, write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--prompts-per-step", "2", "--group-size", "2", "--warmup-steps", "0", "--eval-prompts", "2",

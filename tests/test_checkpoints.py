@@ -41,16 +41,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from runfiles import launch_all  # tests/runfiles.py
+from test_reliability import TINY, Evil, assert_same_steps, metrics, one_error_line
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.testing import assert_close
 
-from gradnorm.trainer.checkpoint import store
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.train import main
 from gradnorm.teach.launch import torchrun_command
-from runfiles import launch_all  # tests/runfiles.py
-from test_reliability import TINY, Evil, assert_same_steps, metrics, one_error_line
+from gradnorm.train import main
+from gradnorm.trainer.checkpoint import store
 
 ROOT = Path(__file__).resolve().parents[1]
 

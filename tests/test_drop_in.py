@@ -17,11 +17,11 @@ import functools
 import re
 from pathlib import Path
 
+import drop_in_ddp as example  # examples/ is on sys.path (tests/conftest.py)
 import pytest
 import torch
 from torch.testing import assert_close
 
-import drop_in_ddp as example  # examples/ is on sys.path (tests/conftest.py)
 import gradnorm
 from gradnorm.audit import audit
 from gradnorm.audit.verdict import verdict

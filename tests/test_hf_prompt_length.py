@@ -26,13 +26,16 @@ import torch
 pytest.importorskip("transformers")
 
 from tiny_models import build_tiny_llama  # noqa: E402  (examples/, on the path via conftest)
+
 from gradnorm.models import hf  # noqa: E402
 from gradnorm.tasks.prompts import PromptTask  # noqa: E402
 from gradnorm.train import main  # noqa: E402
-from gradnorm.trainer.guards import failures  # noqa: E402
-from gradnorm.trainer.guards import memory
-from gradnorm.trainer.guards import preflight
 from gradnorm.trainer.config import parse_config  # noqa: E402
+from gradnorm.trainer.guards import (
+    failures,  # noqa: E402
+    memory,
+    preflight,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

@@ -38,17 +38,17 @@ import torch
 
 pytest.importorskip("transformers")
 
+import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
+from test_bad_input import fake_checkpoint, fake_model  # noqa: E402
+
 from gradnorm import export  # noqa: E402
 from gradnorm.dist import state as dist_state  # noqa: E402
 from gradnorm.models import hf as hfmodels  # noqa: E402
 from gradnorm.train import main as train_main  # noqa: E402
-from gradnorm.trainer.checkpoint import store# noqa: E402
-from gradnorm.trainer.guards import launch
-from gradnorm.trainer.guards import preflight
+from gradnorm.trainer.checkpoint import store  # noqa: E402
 from gradnorm.trainer.config import parse_config  # noqa: E402
-from gradnorm.trainer.rundir.lock import PREVIOUS, RunDir# noqa: E402
-import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
-from test_bad_input import fake_checkpoint, fake_model  # noqa: E402
+from gradnorm.trainer.guards import launch, preflight
+from gradnorm.trainer.rundir.lock import PREVIOUS, RunDir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = str(ROOT / "examples" / "arithmetic.jsonl")

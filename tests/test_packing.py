@@ -27,12 +27,11 @@ from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.grpo import TokenLosses
 from gradnorm.core.sharding import budget_plan, passes, validate_plan
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer import record
-from gradnorm.trainer import step
-from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import TinyGPTPolicy
-from gradnorm.trainer.packing import pack, score_packed
+from gradnorm.trainer import record, step
 from gradnorm.trainer.chunks import score_by_length
+from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.packing import pack, score_packed
+from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import Rollout
 
 P, R = 5, 9

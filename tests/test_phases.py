@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
+from gradnorm.train import main
 from gradnorm.trainer.rundir import phases
 from gradnorm.trainer.rundir.metrics import TIMING_KEYS
-from gradnorm.train import main
 
 
 class FakeClock:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from runfiles import comparable, metrics  # tests/runfiles.py
 
+from gradnorm.train import main
 from gradnorm.trainer.checkpoint import store
 from gradnorm.trainer.guards import preemption
-from runfiles import comparable, metrics  # tests/runfiles.py
-from gradnorm.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

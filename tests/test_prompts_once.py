@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402  (examples/, on the path via conftest)
 from gradnorm.models import hf  # noqa: E402
 from gradnorm.models.hf import load_causal_lm, load_tokenizer, prompts_once, response_logprobs  # noqa: E402
-from gradnorm.trainer.policy import HFPolicy# noqa: E402
+from gradnorm.trainer.policy import HFPolicy  # noqa: E402
 
 BUILDERS = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2}
 GROUPS, G, P, R = 5, 4, 9, 7

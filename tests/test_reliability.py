@@ -24,18 +24,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from runfiles import comparable, launch_all, metrics  # tests/runfiles.py
 from torch.testing import assert_close
 
-from gradnorm.trainer.checkpoint import store
 from gradnorm.dist import state as dist_state
 from gradnorm.models import tinygpt as tinygpt_module
-
-from gradnorm.trainer import step
-from gradnorm.trainer.rollout import check_rewards
 from gradnorm.tasks import RepeatTask
-from gradnorm.train import main
 from gradnorm.teach.launch import torchrun_command
-from runfiles import comparable, launch_all, metrics  # tests/runfiles.py
+from gradnorm.train import main
+from gradnorm.trainer import step
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.rollout import check_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

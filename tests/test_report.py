@@ -27,13 +27,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from runfiles import metrics  # tests/runfiles.py
+from skipping import skip_or_fail  # tests/skipping.py
 
 from gradnorm.teach.launch import torchrun_command
 from gradnorm.train import main
 from gradnorm.trainer.guards.launch import TORCHRUN_VARS
 from gradnorm.trainer.rundir.reporters import numeric
-from runfiles import metrics  # tests/runfiles.py
-from skipping import skip_or_fail  # tests/skipping.py
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--warmup-steps", "2", "--eval-prompts", "4",

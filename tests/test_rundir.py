@@ -14,13 +14,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from gradnorm.trainer.rundir import lock
-from gradnorm.trainer.rundir.lock import RunDir
-from gradnorm.train import main
 from test_bad_input_runtime import every_file
 from test_checkpoints import fail_in_publish
 from test_reliability import TINY, one_error_line
+
+from gradnorm.train import main
+from gradnorm.trainer.rundir import lock
+from gradnorm.trainer.rundir.lock import RunDir
 
 
 def checkpoint(run: Path, name: str) -> None:

@@ -38,14 +38,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
 import torch
+from test_reliability import one_error_line
 
-from gradnorm.trainer.checkpoint import store
 from gradnorm import export
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
-from test_reliability import one_error_line
+from gradnorm.trainer.checkpoint import store
 
 
 class Payload:

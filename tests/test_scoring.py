@@ -11,8 +11,8 @@ import torch
 from torch.testing import assert_close
 
 from gradnorm.core.denominators import mask_from_lengths
-from gradnorm.trainer.chunks import length_chunks, score_by_length
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
+from gradnorm.trainer.chunks import length_chunks, score_by_length
 
 P, R, V = 4, 12, 11
 

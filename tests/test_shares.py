@@ -28,17 +28,16 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
+from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.denominators import mask_from_lengths
+from gradnorm.core.sharding import passes
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
-from gradnorm.core.accumulate import accumulate_gradients
-from gradnorm.core.sharding import passes
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer import scoring
-from gradnorm.trainer import step
+from gradnorm.trainer import scoring, step
+from gradnorm.trainer.chunks import length_chunks, score_by_length
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.policy import TinyGPTPolicy
-from gradnorm.trainer.chunks import length_chunks, score_by_length
 from gradnorm.trainer.rollout import Rollout
 
 P, R, V, G = 4, 24, 11, 8

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from runfiles import launch_all, metrics  # tests/runfiles.py
 from torch.testing import assert_close
 
+from gradnorm.teach.launch import torchrun_command
 from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.rundir.metrics import TIMING_KEYS
 from gradnorm.trainer.rundir.phases import MAX_PHASES, PHASES
 from gradnorm.trainer.rundir.phases import METRIC_KEYS as PHASE_KEYS
-from gradnorm.trainer.rundir.metrics import TIMING_KEYS
-from gradnorm.teach.launch import torchrun_command
-from runfiles import launch_all, metrics  # tests/runfiles.py
 
 pytestmark = pytest.mark.slow
 

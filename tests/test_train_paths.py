@@ -36,17 +36,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.testing import assert_close
-
-from gradnorm.trainer.checkpoint import store
-from gradnorm.trainer.rundir.metrics import TIMING_KEYS
-from gradnorm.trainer.policy import build_policy
-from gradnorm.trainer.warmup import warm_up
-from gradnorm.train import main
-from gradnorm.trainer.config import parse_config
 from runfiles import comparable, launch_all, metrics  # tests/runfiles.py
 from test_bad_input_runtime import every_file
 from test_reliability import one_error_line
+from torch.testing import assert_close
+
+from gradnorm.train import main
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.config import parse_config
+from gradnorm.trainer.policy import build_policy
+from gradnorm.trainer.rundir.metrics import TIMING_KEYS
+from gradnorm.trainer.warmup import warm_up
 
 pytestmark = pytest.mark.slow
 

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnorm.trainer.checkpoint import store
-from gradnorm.trainer.rundir.curves import plot_learning_curve, write_learning_curve
+from gradnorm.core.sharding import make_plan
 from gradnorm.dist import state as dist_state
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT
+from gradnorm.tasks import RepeatTask
 from gradnorm.teach.runs import moving_average
+from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.config import TrainConfig, build_parser, field_docs, parse_config
 from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout, response_mask, seeded_generator
-from gradnorm.core.sharding import make_plan
-from gradnorm.tasks import RepeatTask
-from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer.config import TrainConfig, build_parser, field_docs, parse_config
+from gradnorm.trainer.rundir.curves import plot_learning_curve, write_learning_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -20,20 +20,20 @@ import contextlib
 
 import pytest
 import torch
+from longhand import longhand_weights  # tests/longhand.py
 from torch.testing import assert_close
 
+from gradnorm.core.accumulate import accumulate_gradients
+from gradnorm.core.grpo import grpo_token_losses
+from gradnorm.core.sharding import make_plan, passes
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
-from gradnorm.core.grpo import grpo_token_losses
+from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
+from gradnorm.tasks import RepeatTask
 from gradnorm.trainer import step
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout
-from gradnorm.core.sharding import make_plan, passes
-from gradnorm.tasks import RepeatTask
-from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
-from gradnorm.core.accumulate import accumulate_gradients
-from longhand import longhand_weights  # tests/longhand.py
 
 BETA, CONSTANT = 0.04, 333.0
 MODES = ["token", "sequence", "group", CONSTANT, "local"]

@@ -27,7 +27,6 @@ from gradnorm.audit.verdict import format_report
 from gradnorm.cli.oneline import OneLineParser
 from gradnorm.core.sharding import SHARD_KINDS
 
-
 SHARDINGS = {
     "interleave": "sequence i goes to rank i mod W, and each rank cuts its sequences in order into A "
                   "microbatches: every prompt group is spread over the ranks; S/(W*A) sequences per microbatch.",

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from gradnorm.audit.contract import ContractError
-from gradnorm.audit.masking import MaskedFinding, finding as masked_finding, with_masked_tokens
+from gradnorm.audit.masking import MaskedFinding, with_masked_tokens
+from gradnorm.audit.masking import finding as masked_finding
 from gradnorm.audit.measurement import Convention, Result, measure
 from gradnorm.audit.splits import Splits, layouts
 from gradnorm.audit.synthetic import SyntheticBatch, minibatch_size, synthetic_minibatch

@@ -34,8 +34,8 @@ from gradnorm.models import hf, llama_decode, tinygpt
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 from gradnorm.tasks import Task, builtin_task
 from gradnorm.tasks.prompts import PromptTask
-from gradnorm.trainer.guards import memory
 from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.guards import memory
 from gradnorm.trainer.guards.failures import InputError
 from gradnorm.trainer.packing import PackedRows, score_packed
 

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from gradnorm.core.sharding import Plan, tokens_per_rank
 from gradnorm.core.simulate import effective_weights
-from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.chunks import forward_positions
+from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.step import Minibatch, StepStats
 
 

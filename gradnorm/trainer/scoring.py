@@ -12,10 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from gradnorm.dist import comm, wrap
-from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import Policy
 from gradnorm.trainer.chunks import lockstep_calls, score_by_length
+from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.packing import score_packed
+from gradnorm.trainer.policy import Policy
 from gradnorm.trainer.rollout import Rollout
 from gradnorm.trainer.step import Minibatch, plan_for
 

@@ -16,8 +16,8 @@ from gradnorm.trainer.checkpoint.checkpointer import RUN_FIELDS, RunState
 from gradnorm.trainer.checkpoint.store import read_run_state
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.policy import Policy
-from gradnorm.trainer.warmup import warm_up
 from gradnorm.trainer.rollout import sampled_reward
+from gradnorm.trainer.warmup import warm_up
 
 
 def start_or_resume(run: RunState, cfg: TrainConfig, policy: Policy, task: Task, ckpt_path: Path | None,

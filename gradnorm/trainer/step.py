@@ -24,11 +24,11 @@ from torch import Tensor, nn
 from gradnorm.core.grpo import NUM_STATS, TokenLosses, finalize_stats, grpo_token_losses
 from gradnorm.core.sharding import Plan, budget_plan, make_plan, passes
 from gradnorm.dist import comm, wrap
-from gradnorm.trainer.guards import preemption
-from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.policy import Policy
 from gradnorm.trainer.chunks import lockstep_calls, score_by_length
+from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.guards import preemption
 from gradnorm.trainer.packing import score_packed
+from gradnorm.trainer.policy import Policy
 from gradnorm.trainer.rollout import Rollout
 
 

@@ -8,8 +8,8 @@ SIGINT), except the stop that abandons an ``--overwrite`` run at its first chanc
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from gradnorm.dist import comm

@@ -16,8 +16,8 @@ import torch
 from gradnorm.dist import comm
 from gradnorm.dist import state as dist_state
 from gradnorm.models import hf
-from gradnorm.trainer.guards import outpaths
 from gradnorm.trainer.checkpoint.store import CheckpointError, checkpoint_dir, latest_checkpoint, read_tensors
+from gradnorm.trainer.guards import outpaths
 
 
 def write_pretrained(config: Any, weights: dict[str, torch.Tensor], tokenizer: Any, out_dir: str | Path) -> Path:

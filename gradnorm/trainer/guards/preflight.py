@@ -25,14 +25,13 @@ import re
 import tempfile
 from pathlib import Path
 
-from gradnorm.trainer.guards.outpaths import check_export_dir
-
 from gradnorm.core.errors import first_line  # also what main() reports a failed join with
 from gradnorm.models import hf
 from gradnorm.tasks.prompts import load_prompts
 from gradnorm.tasks.rewards import get_reward
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.guards.failures import InputError
+from gradnorm.trainer.guards.outpaths import check_export_dir
 
 VIRTUAL_FILESYSTEMS = ("/proc", "/sys", "/dev")
 
