@@ -1,4 +1,4 @@
-"""gradnorm: exact loss normalization for GRPO under data parallelism and gradient accumulation.
+"""gradnorm: exact loss normalization for GRPO, SFT and DPO under data parallelism and gradient accumulation.
 
 Every normalization mode is a per-token weight ``w[i, t]`` in the minibatch objective
 
@@ -18,7 +18,8 @@ the whole map and one optimizer step's data flow):
 - ``audit``    ``python -m gradnorm.audit``: the token weights of any trainer's loss
 """
 
-# The public API, stable (README, "Use the fix in your own loop"): count, one all-reduce, weights.
+# The public API, stable (README, "Use the fix in your own loop"): count, one all-reduce, weights,
+# for GRPO's tokens, SFT's label tokens and DPO's pairs.
 from gradnorm.core.denominators import (
     MODES,
     Counts,
@@ -28,5 +29,9 @@ from gradnorm.core.denominators import (
     parse_denominator,
     token_weights,
 )
+from gradnorm.core.pairs import PAIR_MODES, count_pairs, dpo_losses, pair_weights, response_logps
+from gradnorm.core.sft import SFT_MODES, count_labels, label_logprobs, sft_weights
 
-__all__ = ["MODES", "Counts", "Denominator", "count_tokens", "loss_weights", "parse_denominator", "token_weights"]
+__all__ = ["MODES", "PAIR_MODES", "SFT_MODES", "Counts", "Denominator", "count_labels", "count_pairs", "count_tokens",
+           "dpo_losses", "label_logprobs", "loss_weights", "pair_weights", "parse_denominator", "response_logps",
+           "sft_weights", "token_weights"]

@@ -2,6 +2,8 @@
 
 - ``denominators``  every mode as a per-token weight: counts, weights, the backward loss
 - ``modes``         the mode names (the core's, plus Dr GRPO's constant) and what resolves them
+- ``sft``           SFT's label tokens: the same token weights, counted from the label mask
+- ``pairs``         DPO and its family: a weight per preference pair, and the pair losses
 - ``grpo``          advantages, clipped surrogate, KL estimators, entropy, step statistics
 - ``sharding``      explicit plans: which rank and microbatch holds which sequence
 - ``simulate``      the same weights and gradients for W simulated ranks in one process
