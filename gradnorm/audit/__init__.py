@@ -1,8 +1,10 @@
 """The audit: the per-token weights any trainer's loss really gives, for every way a batch is split.
 
-- ``contract``     what the loss is called with (``COUNTS``), how it breaks (``ContractError``), and
-                   loading it by name (``load_loss``, ``imported_loss``)
-- ``synthetic``    the synthetic ragged GRPO minibatch every loss is audited on
+- ``objectives``   GRPO, SFT and DPO: what each loss is called with, the point its weights are read
+                   at, and the modes it is compared with
+- ``contract``     what a GRPO loss is called with (``COUNTS``), how a loss breaks (``ContractError``),
+                   and loading it by name (``load_loss``, ``imported_loss``)
+- ``synthetic``    the synthetic minibatches losses are audited on: ragged GRPO groups, DPO pairs
 - ``splits``       the splits of one minibatch (ranks, microbatches, token budgets, packing,
                    context parallelism, pipelines) as the calls of the loss they produce
 - ``masking``      truncated responses and rejected tokens: what the loss should count
@@ -17,8 +19,14 @@
 
 from gradnorm.audit.contract import COUNTS, ContractError, load_loss
 from gradnorm.audit.decide import MODES, Report, audit, audit_plans
-from gradnorm.audit.measurement import Convention, Result, measure
-from gradnorm.audit.synthetic import SyntheticBatch, synthetic_minibatch
+from gradnorm.audit.measurement import Convention, Point, Result, measure
+from gradnorm.audit.objectives import DPO, GRPO, OBJECTIVES, SFT, Objective
+from gradnorm.audit.synthetic import (
+           SyntheticBatch,
+           synthetic_minibatch,
+           synthetic_pairs,
+)
 
-__all__ = ["COUNTS", "MODES", "ContractError", "Convention", "SyntheticBatch", "Report", "Result", "audit",
-           "audit_plans", "load_loss", "measure", "synthetic_minibatch"]
+__all__ = ["COUNTS", "DPO", "GRPO", "MODES", "OBJECTIVES", "SFT", "ContractError", "Convention", "Objective", "Point",
+           "SyntheticBatch", "Report", "Result", "audit", "audit_plans", "load_loss", "measure", "synthetic_minibatch",
+           "synthetic_pairs"]

@@ -1,7 +1,7 @@
 """The command ``python -m gradnorm.audit LOSS``: flags in, a table and a verdict out.
 
-Exit status: 0 invariant (and no weight outside the mask), 1 skewed, leaking or of the wrong
-sign (a negative weight on a response token: the loss rises where the advantage is positive), 2
+Exit status: 0 invariant (and no weight outside the mask), 1 skewed (the loss or one of its named
+terms), leaking or of the wrong sign (a negative weight on a counted token), 2
 one ``error: ...`` line on stderr (an unimportable loss, a broken contract, bad flags, a run with
 nothing to compare), no traceback.
 ``main(argv)`` is importable, so a notebook or a test can run the command in-process.
@@ -13,14 +13,16 @@ the words of its output ``gradnorm.audit.verdict``'s.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
 from collections.abc import Sequence
 
-from gradnorm.audit.contract import COUNTS, ContractError, imported_loss
+from gradnorm.audit.contract import ContractError, imported_loss
 from gradnorm.audit.decide import audit
 from gradnorm.audit.masking import COUNT_MASKED
 from gradnorm.audit.measurement import Convention
+from gradnorm.audit.objectives import DEFAULT_BETA, DPO, GRPO, OBJECTIVES, SFT
 from gradnorm.audit.splits import CP_LAYOUTS, Splits
 from gradnorm.audit.synthetic import minibatch_size
 from gradnorm.audit.verdict import format_report
@@ -69,9 +71,38 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _beta(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+OBJECTIVE_HELP = {
+    "grpo": "a policy-gradient loss over sampled responses (GRPO, DAPO, Dr GRPO, PPO-style), read on policy, "
+            "with both signs of the advantages",
+    "sft": "a supervised (cross-entropy) loss over label tokens; logp holds log p(label), mask the label tokens "
+           "(labels != -100)",
+    "dpo": "a pair loss over chosen and rejected responses (DPO, IPO-style, length-normalized DPO, SimPO), read "
+           "at pi = pi_ref where -log sigmoid(beta * m) has slope beta/2; every split keeps a pair together",
+}
+
+STEP_CONTRACT = ("--step: LOSS is instead a rank's step, STEP(microbatches, *, world_size, rank), that runs your "
+                 "loop over the rank's microbatches and calls backward itself, scaled as your loop scales (a "
+                 "division by the accumulation steps, a token share); each microbatch is a dict of the "
+                 "objective's arguments above and its counts by name. The audit only reduces over ranks.")
+
+
 def _parser() -> argparse.ArgumentParser:
-    contract = ("LOSS(logp, old_logp, advantages, mask, **counts) returns the scalar you backpropagate; it gets, by "
-                f"keyword name, any of: {', '.join(COUNTS)}.")
+    contracts = "\n".join(
+        textwrap.fill(f"--objective {o.name} ({OBJECTIVE_HELP[o.name]}): {o.describe()}.", 100,
+                      initial_indent="  ", subsequent_indent="    ") for o in (GRPO, SFT, DPO))
+    contract = f"the loss, by objective:\n{contracts}\n\n{textwrap.fill(STEP_CONTRACT, 100)}\n\n" + textwrap.fill(
+        "A loss may return a dict of named scalar terms ({'pg': ..., 'kl': ..., 'nll': ...}) instead of one "
+        "scalar: each term is audited apart, and the total is their sum.", 100)
     shardings = "\n".join(textwrap.fill(f"{kind}: {SHARDINGS[kind]}", 100, initial_indent="  ",
                                        subsequent_indent="    ") for kind in SHARD_KINDS)
     status = ("Exit status: 0 invariant; 1 skewed, leaking onto tokens outside the mask, or of the wrong sign (the "
@@ -80,14 +111,21 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="python -m gradnorm.audit",
         raises=ContractError,  # one line, no usage block: main reports it as every other error
-        description=textwrap.fill("Measure the weight a GRPO microbatch loss gives every token under simulated "
-                                  "data parallelism and gradient accumulation, and say whether it is invariant "
-                                  "to W, A and sharding, and if not, why.", 100),
-        epilog=f"{textwrap.fill(contract, 100)}\n\nshardings (S sequences, W ranks, A microbatches a rank):\n"
+        description=textwrap.fill("Measure the weight a GRPO, SFT or DPO microbatch loss (or a rank's step) gives "
+                                  "every token under simulated data parallelism and gradient accumulation, and say "
+                                  "whether it is invariant to W, A and sharding, and if not, why. Choose the "
+                                  "objective with --objective (default grpo).", 100),
+        epilog=f"{contract}\n\nshardings (S sequences, W ranks, A microbatches a rank):\n"
                f"{shardings}\n\n{textwrap.fill(status, 100)}",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's list of shardings
     )
     p.add_argument("loss", help="package.module:function or path/to/file.py:function")
+    p.add_argument("--objective", choices=OBJECTIVES, default="grpo",
+                   help="what LOSS computes, and so what it is called with (below): grpo (default), sft or dpo")
+    p.add_argument("--beta", type=_beta, default=DEFAULT_BETA,
+                   help=f"dpo: the beta the loss uses, offered to it as `beta` (default {DEFAULT_BETA:g})")
+    p.add_argument("--step", action="store_true",
+                   help="LOSS is a rank's step over its microbatches that calls backward itself (below)")
     p.add_argument("--world-size", type=_at_least(1, 4096), nargs="+", default=[8], help="W, one or more (default 8)")
     p.add_argument("--accum-steps", type=_at_least(1, 4096), nargs="+", default=[4], help="A, one or more (default 4)")
     p.add_argument("--sharding", choices=SHARD_KINDS, nargs="+", default=list(SHARD_KINDS),
@@ -116,9 +154,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-microbatches", type=_at_least(2), metavar="P",
                    help="P (default 2; needs --pipeline-combine)")
     p.add_argument("--count-masked", choices=COUNT_MASKED,
-                   help="add truncated responses (one a group) and tokens a rejection mask drops, and declare which "
+                   help="grpo: add truncated responses (one a group) and tokens a rejection mask drops, and declare which "
                         "of them your loss should count (none: both are dropped, from the sum and from every count)")
-    p.add_argument("--group-size", type=_at_least(2, 4096), default=8, help="G completions per prompt (default 8)")
+    p.add_argument("--group-size", type=_at_least(2, 4096), default=8,
+                   help="grpo, sft: G completions per prompt (default 8)")
     p.add_argument("--max-new-tokens", type=_at_least(1, 2**16), default=64, help="the longest response (default 64)")
     p.add_argument("--seed", type=_at_least(0), default=0, help="seed of the synthetic minibatch (default 0)")
     p.add_argument("--tol", type=_tolerance, default=1e-6, help="relative tolerance of every comparison (default 1e-6)")
@@ -153,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command: print the table and the verdict; exit 0 invariant, 1 skewed, leaking or wrong-signed, 2 error."""
     try:
         args = _parser().parse_args(argv)
-        cells = minibatch_size([w * a for w in args.world_size for a in args.accum_steps], args.group_size) * args.max_new_tokens
+        unit = 2 if args.objective == "dpo" else 1  # a pair is two rows
+        group = 1 if args.objective == "dpo" else args.group_size
+        sizes = [w * a for w in args.world_size for a in args.accum_steps]
+        cells = unit * minibatch_size(sizes, group) * args.max_new_tokens
         if cells > MAX_CELLS:  # the least common multiple of the layouts sets the minibatch: it grows fast
             raise ContractError(f"--world-size x --accum-steps x --group-size x --max-new-tokens ask for a minibatch of "
                                 f"{cells} tokens (more than {MAX_CELLS}); audit fewer or smaller layouts")
@@ -163,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with imported_loss(args.loss) as loss_fn:  # a file's neighbours stay importable until the audit ends
             report = audit(loss_fn, args.world_size, args.accum_steps, args.sharding, convention, args.group_size,
                            args.max_new_tokens, args.seed, name=args.loss, tol=args.tol, splits=splits,
-                           count_masked=args.count_masked)
+                           count_masked=args.count_masked, objective=args.objective, beta=args.beta,
+                           step=args.step)
     except ContractError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -15,27 +15,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+from gradnorm.audit.objectives import GRPO_KEYWORDS
 from gradnorm.cli.usercode import UserCodeError, load_function, restored_imports
 
-COUNTS = {
-    "ref_logp": "(n, T) reference log-probs; equal to logp here, so a k2/k3 KL has zero gradient",
-    "num_tokens": "N: response tokens of the whole minibatch (all ranks, all microbatches) the loss should count",
-    "num_sequences": "S_tok: sequences of the minibatch with at least one response token",
-    "num_groups": "N_groups: prompt groups of the minibatch with at least one response token",
-    "group_tokens": "(k,) int64: N_g(i), the minibatch's token count of each sequence's group",
-    "group_ids": "(k,) int64: the global prompt-group index of each sequence",
-    "world_size": "W: data-parallel ranks",
-    "accum_steps": "A: this rank's microbatches per optimizer step (under a token budget, each rank's own)",
-    "sequence_ids": "(n, T) int64: which of the call's k sequences each position belongs to (-1: a packed "
-                    "row's padding); row i is sequence i unless rows are packed",
-    "sequence_tokens": "(k,) int64: |o_i|, the tokens of each sequence the loss should count (all its chunks)",
-    "num_response_tokens": "every generated token of the minibatch, dropped ones included",
-    "truncated": "(k,) bool: responses cut at max_new_tokens",
-    "rejected": "(n, T) bool: tokens a rejection (importance-sampling) mask drops",
-    "context_parallel": "K: ranks each sequence is split over (1 without context parallelism)",
-    "pipeline_microbatches": "P: pipeline microbatches a microbatch is cut into (1 without a pipeline)",
-}
-"""Every keyword the audit offers a loss, and what it holds."""
+COUNTS = GRPO_KEYWORDS
+"""Every keyword the audit offers a GRPO loss, and what it holds (each objective's: ``objectives``)."""
 
 
 class ContractError(ValueError):

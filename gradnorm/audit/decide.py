@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -26,14 +26,26 @@ from torch import Tensor
 from gradnorm.audit.contract import ContractError
 from gradnorm.audit.masking import MaskedFinding, with_masked_tokens
 from gradnorm.audit.masking import finding as masked_finding
-from gradnorm.audit.measurement import Convention, Result, measure
-from gradnorm.audit.splits import Splits, layouts
-from gradnorm.audit.synthetic import SyntheticBatch, minibatch_size, synthetic_minibatch
+from gradnorm.audit.measurement import (
+    KL_OFFSET,
+    Convention,
+    Point,
+    Result,
+    measure,
+    names_terms,
+)
+from gradnorm.audit.objectives import DEFAULT_BETA, GRPO, Objective, get, mode_weights
+from gradnorm.audit.splits import Layout, Splits, build, layouts
+from gradnorm.audit.synthetic import (
+    SyntheticBatch,
+    minibatch_size,
+    synthetic_minibatch,
+    synthetic_pairs,
+)
 from gradnorm.core.modes import MODE_NAMES
 from gradnorm.core.sharding import SHARD_KINDS, Plan
-from gradnorm.core.simulate import effective_weights
 
-MODES = MODE_NAMES  # compared in this order: the core's modes, then Dr GRPO's constant
+MODES = MODE_NAMES  # GRPO's, compared in this order: the core's modes, then Dr GRPO's constant
 
 
 @dataclass(frozen=True)
@@ -69,10 +81,23 @@ class Report:
     negative: float = 0.0  # the largest share of the weight inside the mask that is negative
     near: Near | None = None  # when no mode matches: the one it equals up to a factor, if any
     masked: MaskedFinding | None = None  # with dropped tokens in the batch: what the denominator does with them
+    objective: Objective = GRPO
+    terms: dict[str, Report] = field(default_factory=dict)  # a loss that names its terms: each one's audit
+    term: bool = False  # this report is one term of a composite loss (its sign is the term's own)
+    point: Point = Point()  # the objective's point (beta) and the loss's form (a step or a microbatch loss)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes this objective's weights are compared with, in order of preference.
+
+        A term's coefficient scales it (0.1 x an NLL), so a term is compared with the modes up to a
+        factor, and not with a constant C, which any uniform weight would fit.
+        """
+        return _modes(self.objective, self.term)
 
     @property
     def matches(self) -> list[str]:
-        return [m for m in MODES if self.distance[m] <= self.tol]
+        return [m for m in self.modes if self.distance[m] <= self.tol]
 
     @property
     def equals(self) -> str | None:
@@ -92,7 +117,7 @@ class Report:
     @property
     def wrong_sign(self) -> bool:
         """Some response token has a negative weight: the loss rises where the advantage is positive."""
-        return self.negative > self.tol
+        return self.negative > self.tol and not self.term
 
     def _changes(self, equal: bool) -> list[float]:
         # results[0], the reference, is one microbatch: equal counts trivially, and no change by definition.
@@ -108,32 +133,28 @@ class Report:
     def equals_at_equal_counts(self) -> str | None:
         """The first mode matched on the reference and every plan with equal-count microbatches."""
         even = [r for r in self.results if r.equal_counts]
-        return next((m for m in MODES if max(r.distance[m] for r in even) <= self.tol), None)
+        return next((m for m in self.modes if max(r.distance[m] for r in even) <= self.tol), None)
 
     @property
     def exit_code(self) -> int:
         """The command's status: 0 invariant, masked and signed right; 1 skewed, leaking or wrong-signed."""
         miscounts = self.masked is not None and self.masked.counts_dropped is True
-        return 0 if self.invariant and not self.leaks and not self.wrong_sign and not miscounts else 1
+        terms_fail = any(t.exit_code for t in self.terms.values())
+        return 0 if self.invariant and not self.leaks and not self.wrong_sign and not miscounts and not terms_fail else 1
+
+    @property
+    def loudness(self) -> tuple[float, Result]:
+        """(how many times its one-process total weight, where it is furthest from 1) over every configuration.
+
+        A term 32x too loud under A = 32 reads 32; a term that is correct, 1.
+        """
+        base = float(self.results[0].weights.sum())
+        ratios = [(float(r.weights.sum()) / base if base else math.inf, r) for r in self.results[1:]]
+        return max(ratios, key=lambda x: abs(math.log(abs(x[0]))) if x[0] and math.isfinite(x[0]) else math.inf)
 
 
-def _mode_weights(mode: str, mask: Tensor, batch: SyntheticBatch, plan: Plan, constant: float) -> Tensor:
-    """(S, T) the weights gradnorm's ``mode`` gives under ``plan``, counting ``mask``; ``constant`` uses C.
-
-    Only ``local`` depends on the plan: 1 / (W * A_r * N[r, m]), written out here because a token
-    budget gives ranks different numbers A_r of microbatches (core's plans have one A). The other
-    modes' weights are the same under any plan, so they come from core's one-process plan.
-    """
-    if mode != "local":
-        den = constant if mode == "constant" else mode
-        return effective_weights(mask, batch.group_ids, batch.num_groups, den, [[torch.arange(len(mask))]])
-    out = torch.zeros(mask.shape, dtype=torch.float64)
-    for rank in plan:
-        for mb in rank:
-            local_tokens = int(mask[mb].sum())
-            if local_tokens:
-                out[mb] = mask[mb].double() / (len(plan) * len(rank) * local_tokens)
-    return out
+def _modes(objective: Objective, term: bool) -> tuple[str, ...]:
+    return tuple(m for m in objective.modes if not (term and m == "constant"))
 
 
 def _fit(weights: Tensor, expected: Tensor, tol: float) -> float | None:
@@ -157,17 +178,17 @@ def _powers(factors: Sequence[float], results: Sequence[Result], tol: float) -> 
     return tuple(pq for n, pq in fits if n == fewest)
 
 
-def _nearest(results: Sequence[Result], tol: float) -> Near | None:
+def _nearest(results: Sequence[Result], tol: float, modes: Sequence[str] = MODES) -> Near | None:
     """The mode the weights equal up to a factor, preferring k = +-1 and a law in W and A."""
     near = []
-    for mode in MODES:
+    for mode in modes:
         factors = [r.factor.get(mode) for r in results]
         if None not in factors:
             powers = _powers(factors, results, tol)
             p, q = powers[0] if powers else (0, 0)
             k = factors[0] / (results[0].world_size ** p * results[0].accum_steps ** q)  # c at W = A = 1
             near.append(Near(mode, k, powers, tuple(factors)))
-    preference = [(not n.powers, abs(abs(n.scale) - 1) > tol, MODES.index(n.mode)) for n in near]
+    preference = [(not n.powers, abs(abs(n.scale) - 1) > tol, list(modes).index(n.mode)) for n in near]
     return near[preference.index(min(preference))] if near else None
 
 
@@ -182,52 +203,74 @@ def _negative_share(weights: Tensor, mask: Tensor) -> float:
     return float(inside.clamp(max=0).abs().sum()) / total if total > 0 else 0.0
 
 
-def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequence[tuple[str, Plan]],
-                convention: Convention = Convention(), name: str = "loss", tol: float = 1e-6) -> Report:
+def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequence[tuple[str, Plan | Layout]],
+                convention: Convention = Convention(), name: str = "loss", tol: float = 1e-6,
+                point: Point = Point()) -> Report:
     """Audit ``loss_fn`` under every (label, plan); the first is the reference the others are compared with."""
     pairs = list(plans.items() if isinstance(plans, dict) else plans)
     if len(pairs) < 2:  # a reference alone: every verdict would be vacuously INVARIANT
         raise ContractError("nothing to compare: only one process with one microbatch was asked for; "
                             "give a world size or accumulation steps above 1")
-    results = [measure(loss_fn, batch, plan, convention, label) for label, plan in pairs]
-    cache: dict[str, Tensor] = {}  # every mode but `local` gives the same weights under any plan
+    if point.objective.name == "grpo" and not point.step and point.ref_offset == 0:
+        label, reference = pairs[0]
+        if not isinstance(reference, Layout):
+            reference = build(label, reference, batch.response.sum(-1), batch.mask.shape[1], convention.loop)
+        if names_terms(loss_fn, batch, reference, point):
+            point = replace(point, ref_offset=KL_OFFSET)  # give a KL term a gradient to read
+    results = [measure(loss_fn, batch, plan, convention, label, point) for label, plan in pairs]
+    report = _decide(name, batch, convention, results, tol, point, term=False)
+    for term in results[0].terms:
+        parts = [replace(r, weights=r.terms[term], residual=torch.zeros_like(r.weights), terms={},
+                         distance={}, factor={}) for r in results]
+        report.terms[term] = _decide(term, batch, convention, parts, tol, point, term=True)
+    return report
+
+
+def _decide(name: str, batch: SyntheticBatch, convention: Convention, results: list[Result], tol: float,
+            point: Point, term: bool) -> Report:
+    """The report of one set of weights (a loss's, or one of its terms') against the reference and the modes."""
+    objective = point.objective
+    modes = _modes(objective, term)
+    cache: dict[str, Tensor] = {}  # every mode but the local ones gives the same weights under any plan
     ref = results[0].weights
     scale = ref.abs().max()
     if scale == 0:
-        raise ContractError("the loss has zero gradient in logp: no token has any weight")
+        what = f"the loss's term {name!r}" if term else "the loss"
+        raise ContractError(f"{what} has zero gradient in logp: no token has any weight")
     floor = torch.where(ref.abs() > 1e-12 * scale, ref.abs(), scale)  # relative per token, w = 0 against the largest
     for res in results:
         res.change = float(((res.weights - ref).abs() / floor).max())
     inside = float(ref[batch.mask].sum())
     constant = float(batch.mask.sum()) / inside if inside > 0 else math.inf  # C = N / sum w: 1/C per token
     for res in results:
-        for mode in MODES:
+        for mode in modes:
             if mode == "constant" and not math.isfinite(constant):
                 res.distance[mode] = math.inf
                 continue
-            if mode == "local":
-                expected = _mode_weights(mode, batch.mask, batch, res.plan, constant)  # (S, T)
-            else:
-                expected = cache.get(mode)
-                if expected is None:
-                    expected = cache[mode] = _mode_weights(mode, batch.mask, batch, res.plan, constant)
+            expected = cache.get(mode)
+            if expected is None:
+                expected = mode_weights(objective, mode, batch.mask, batch.group_ids, batch.num_groups, res.plan,
+                                        constant)
+                if not mode.startswith("local"):
+                    cache[mode] = expected
             res.distance[mode] = float((res.weights - expected).abs().max() / expected.abs().max())
             if (c := _fit(res.weights, expected, tol)) is not None:
                 res.factor[mode] = c
-    distance = {mode: max(r.distance[mode] for r in results) for mode in MODES}
+    distance = {mode: max(r.distance[mode] for r in results) for mode in modes}
     leak = max(float(r.weights[~batch.mask].abs().sum() / r.weights.abs().sum()) for r in results)
     negative = max(_negative_share(r.weights, batch.mask) for r in results)
     adv = batch.advantages.unsqueeze(-1)  # (S, 1)
     residual = max(float(r.residual.abs().max()) for r in results) / max(
         float((r.weights * adv).abs().max()) for r in results)
     report = Report(name, batch, convention, results, distance, constant, max(r.change for r in results), leak,
-                    residual, tol, negative)
+                    residual, tol, negative, objective=objective, term=term, point=point)
     if report.equals is None:
-        report.near = _nearest(results, tol)
-    if batch.count_masked is not None:  # right: counts over the kept tokens; counting: over every generated one
-        modes = [m for m in MODES if m not in ("local", "constant")]
-        right = {m: cache[m] for m in modes}
-        counting = {m: _mode_weights(m, batch.response, batch, results[0].plan, constant) * batch.mask for m in modes}
+        report.near = _nearest(results, tol, modes)
+    if batch.count_masked is not None and not term:  # right: counts over the kept tokens; counting: every generated one
+        masked_modes = [m for m in modes if m not in ("local", "constant")]
+        right = {m: cache[m] for m in masked_modes}
+        counting = {m: mode_weights(objective, m, batch.response, batch.group_ids, batch.num_groups,
+                                    results[0].plan, constant) * batch.mask for m in masked_modes}
         report.masked = masked_finding(batch, results[0].weights, right, counting, tol)
     return report
 
@@ -235,22 +278,58 @@ def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequenc
 def audit(loss_fn, world_sizes: Sequence[int] = (8,), accum_steps: Sequence[int] = (4,),
           shardings: Sequence[str] = SHARD_KINDS, convention: Convention = Convention(), group_size: int = 8,
           max_new_tokens: int = 64, seed: int = 0, name: str | None = None, tol: float = 1e-6,
-          splits: Splits = Splits(), count_masked: str | None = None) -> Report:
+          splits: Splits = Splits(), count_masked: str | None = None, objective: str | Objective = "grpo",
+          beta: float = DEFAULT_BETA, step: bool = False) -> Report:
     """Audit ``loss_fn`` for every (W, A, sharding) and split asked for, against one process with one microbatch.
 
-    ``splits``: the axes beyond (W, A, sharding) (``gradnorm.audit.splits``); ``count_masked``: add
-    truncated responses and rejected tokens, and declare which the loss should count
-    (``gradnorm.audit.masking``). W = A = 1 with no axis is the reference itself; asking for
-    nothing else is a ``ContractError``.
+    ``objective``: "grpo", "sft" or "dpo" (``gradnorm.audit.objectives``: what the loss is called
+    with, and the modes it is compared with); ``beta``: the temperature a DPO loss is read with;
+    ``step``: ``loss_fn`` is a rank's step over its microbatches that calls backward itself
+    (``gradnorm.audit.measurement``). ``splits``: the axes beyond (W, A, sharding)
+    (``gradnorm.audit.splits``); ``count_masked`` (GRPO): add truncated responses and rejected
+    tokens, and declare which the loss should count (``gradnorm.audit.masking``). W = A = 1 with
+    no axis is the reference itself; asking for nothing else is a ``ContractError``.
     """
+    objective = objective if isinstance(objective, Objective) else _objective(objective)
+    _check_request(objective, splits, convention, count_masked, beta, step)
     sizes = [w * a * splits.granularity for w in world_sizes for a in accum_steps]
-    batch = synthetic_minibatch(minibatch_size(sizes, group_size), group_size, max_new_tokens, seed)
+    if objective.name == "dpo":
+        batch = synthetic_pairs(minibatch_size(sizes, 1), max_new_tokens, seed)
+    else:
+        batch = synthetic_minibatch(minibatch_size(sizes, group_size), group_size, max_new_tokens, seed)
     if count_masked is not None:
         batch = with_masked_tokens(batch, count_masked, seed)
     try:
         pairs = [(layout.label, layout) for layout in
                  layouts(batch.response.sum(-1), max_new_tokens, world_sizes, accum_steps, shardings, splits,
-                         convention.loop)]
+                         convention.loop, unit_size=objective.unit_size)]
     except ValueError as err:  # a split the minibatch cannot take (a budget below the longest response)
         raise ContractError(str(err)) from None
-    return audit_plans(loss_fn, batch, pairs, convention, name or getattr(loss_fn, "__name__", "loss"), tol)
+    return audit_plans(loss_fn, batch, pairs, convention, name or getattr(loss_fn, "__name__", "loss"), tol,
+                       Point(objective, beta, step))
+
+
+def _objective(name: str) -> Objective:
+    try:
+        return get(name)
+    except ValueError as err:
+        raise ContractError(str(err)) from None
+
+
+def _check_request(objective: Objective, splits: Splits, convention: Convention, count_masked: str | None,
+                   beta: float, step: bool) -> None:
+    """Refuse, in one line, what the objective or the step form cannot be audited under."""
+    if count_masked is not None and objective.name != "grpo":
+        raise ContractError("masked tokens (count_masked) are GRPO's truncated responses and rejected tokens; "
+                            f"an {objective.name.upper()} audit takes none")
+    if objective.name == "dpo" and (splits.pack or splits.context_parallel > 1 or splits.pipeline_microbatches):
+        raise ContractError("a DPO audit splits by pairs: W, A, shardings and token budgets; packing, context "
+                            "parallelism and pipelines are not simulated for pairs")
+    if step and (splits.context_parallel > 1 or splits.pipeline_microbatches):
+        raise ContractError("a step is audited over data-parallel ranks and their microbatches; context "
+                            "parallelism and pipelines need a microbatch loss")
+    if step and convention.scale_by_accum:
+        raise ContractError("a step applies its own scaling: scale_by_accum (--scale-by-accum) is for a "
+                            "microbatch loss")
+    if not (math.isfinite(beta) and beta > 0):
+        raise ContractError(f"beta must be a positive finite number, got {beta!r}")

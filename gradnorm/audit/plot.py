@@ -13,9 +13,14 @@ from matplotlib.colors import LogNorm
 from matplotlib.container import BarContainer
 from matplotlib.image import AxesImage
 
-from gradnorm.audit import SyntheticBatch, Result
-from gradnorm.teach.palette import MODE_COLORS, NEUTRAL_COLOR, PADDING_COLOR, TOKENS_COLOR, WEIGHT_CMAP
-
+from gradnorm.audit import Result, SyntheticBatch
+from gradnorm.teach.palette import (
+    MODE_COLORS,
+    NEUTRAL_COLOR,
+    PADDING_COLOR,
+    TOKENS_COLOR,
+    WEIGHT_CMAP,
+)
 
 
 def plan_rows(result: Result) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

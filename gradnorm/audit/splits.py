@@ -117,7 +117,8 @@ def token_budget_plan(kind: str, lengths: Tensor, world_size: int, budget: int) 
     Dynamic batching by tokens: a rank of short responses runs few microbatches, one of long ones many.
     """
     if int(lengths.max()) > budget:
-        raise ValueError(f"a token budget of {budget} is below the longest response ({int(lengths.max())} tokens)")
+        raise ValueError(f"a token budget of {budget} is below the longest response ({int(lengths.max())} tokens; "
+                         "a DPO pair's: both of its responses)")
     plan = []
     for (held,) in make_plan(kind, lengths, world_size, 1):
         microbatches, current, load = [], [], 0
@@ -199,15 +200,26 @@ def build(label: str, plan: Plan, response_lengths: Tensor, T: int, loop: Loop, 
     return Layout(label, plan, tuple(calls), world_size * K, axes, K, P)
 
 
+def expand_plan(plan: Plan, unit_size: int) -> Plan:
+    """A plan over units (a DPO pair) -> the same plan over rows: unit u is rows u*k .. u*k + k - 1."""
+    if unit_size == 1:
+        return plan
+    offsets = torch.arange(unit_size)
+    return [[(mb.unsqueeze(-1) * unit_size + offsets).reshape(-1) for mb in rank] for rank in plan]
+
+
 def layouts(response_lengths: Tensor, T: int, world_sizes: Sequence[int], accum_steps: Sequence[int],
-            shardings: Sequence[str], splits: Splits, loop: Loop) -> list[Layout]:
+            shardings: Sequence[str], splits: Splits, loop: Loop, unit_size: int = 1) -> list[Layout]:
     """The reference (one process, one microbatch, no axis), then every configuration asked for.
 
     Each data-parallel plan (fixed count for every (W, A), token budget for every W) comes plain and
     with each asked axis alone, and with all of them together when more than one is asked for; the
     pipeline is left out on a plan with a microbatch of fewer than P sequences (``balanced`` may have one).
+    ``unit_size`` > 1: the plans split units of that many consecutive rows (a DPO pair's two
+    responses), sharded and budgeted by the unit's tokens, and never cut a unit.
     """
     S = len(response_lengths)
+    units = response_lengths.view(-1, unit_size).sum(-1) if unit_size > 1 else response_lengths
     reference = build("reference", [[torch.arange(S)]], response_lengths, T, loop)
     variants: list[tuple[str, dict, frozenset[str]]] = []
     if splits.pack:
@@ -225,11 +237,12 @@ def layouts(response_lengths: Tensor, T: int, world_sizes: Sequence[int], accum_
     for w in world_sizes:
         for a in accum_steps:
             if w * a > 1:
-                plans += [(kind, make_plan(kind, response_lengths, w, a), frozenset()) for kind in shardings]
+                plans += [(kind, expand_plan(make_plan(kind, units, w, a), unit_size), frozenset())
+                          for kind in shardings]
         if splits.microbatch_tokens:
             plans += [(f"{kind} budget {splits.microbatch_tokens}",
-                       token_budget_plan(kind, response_lengths, w, splits.microbatch_tokens), frozenset({"budget"}))
-                      for kind in shardings]
+                       expand_plan(token_budget_plan(kind, units, w, splits.microbatch_tokens), unit_size),
+                       frozenset({"budget"})) for kind in shardings]
     plain = bool(plans)
     if not plans and variants:  # W = A = 1: the axes alone, on the reference's one microbatch
         plans = [("one process", [[torch.arange(S)]], frozenset())]

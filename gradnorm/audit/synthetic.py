@@ -58,6 +58,26 @@ def synthetic_minibatch(num_sequences: int, group_size: int = 8, max_new_tokens:
                      group_ids=torch.arange(num_sequences) // group_size, group_size=group_size)
 
 
+def synthetic_pairs(num_pairs: int, max_new_tokens: int = 64, seed: int = 0) -> SyntheticBatch:
+    """P preference pairs as 2P rows (pair p: chosen row 2p, rejected row 2p + 1), lengths log-uniform in [1, T].
+
+    Every response token of a pair holds the same log-prob, so a length-normalized margin without
+    a reference (SimPO's, gamma = 0) is 0 as well as every margin against a reference equal to the
+    policy: the audit's point, where the pair loss's slope is known. Padding holds other values,
+    which a loss that ignores the masks reads. ``advantages`` are unused (ones); ``group_ids`` are pairs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * num_pairs
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    lengths = torch.exp(u * math.log(max_new_tokens)).round().long().clamp(1, max_new_tokens)  # (2P,)
+    mask = torch.arange(max_new_tokens) < lengths.unsqueeze(-1)
+    level = -(0.05 + 3.0 * torch.rand(num_pairs, generator=gen, dtype=torch.float64)).repeat_interleave(2)  # (2P,)
+    padding = -(0.05 + 3.0 * torch.rand(rows, max_new_tokens, generator=gen, dtype=torch.float64))
+    logp = torch.where(mask, level.unsqueeze(-1), padding)
+    return SyntheticBatch(logp=logp, mask=mask, advantages=torch.ones(rows, dtype=torch.float64),
+                          group_ids=torch.arange(rows) // 2, group_size=2)
+
+
 def minibatch_size(layouts: Sequence[int], group_size: int) -> int:
     """The smallest S that splits into whole groups and every W*A, with >= 2 sequences a microbatch."""
     step = math.lcm(group_size, *layouts)

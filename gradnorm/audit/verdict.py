@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from gradnorm.audit.decide import MODES, Near, Report
+from gradnorm.audit.decide import Near, Report
 from gradnorm.audit.masking import MaskedFinding
 from gradnorm.audit.measurement import Convention, Result
+from gradnorm.audit.objectives import GRPO
 
-WRONG_SIGN = "your loss rises where the advantage is positive: you return the objective, or swapped logp and old_logp"
+WRONG_SIGN = GRPO.wrong_sign  # GRPO's; each objective says its own (``Objective.wrong_sign``)
 
 
 def _symbol(letter: str, power: int) -> str:
@@ -98,23 +100,51 @@ def _equal_counts_clause(report: Report) -> str:
     mode = report.equals_at_equal_counts
     like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
     where = f", where it equals {like}" if mode else ""
-    return (f"invariant whenever every microbatch holds the same number of sequences{where}; skewed by up to "
+    unit = "pairs" if report.objective.unit == "pair" else "sequences"
+    return (f"invariant whenever every microbatch holds the same number of {unit}{where}; skewed by up to "
             f"{max(r.change for r in uneven):.1%} when they do not (token-budget microbatches: "
             f"{' '.join(dict.fromkeys(r.label for r in uneven))})"
-            + (f"; if your trainer's microbatches hold a fixed number of sequences, audit with --sharding "
+            + (f"; if your trainer's microbatches hold a fixed number of {unit}, audit with --sharding "
                f"{' '.join(even)}" if even else ""))
 
 
+def loudness_clause(report: Report) -> str | None:
+    """``32x too loud at W=1 A=32 (interleave)``: the total weight against one process', where furthest from 1."""
+    ratio, where = report.loudness
+    if _close(ratio, 1.0, report.tol):
+        return None
+    how = f"{ratio:.3g}x too loud" if ratio > 1 else f"{1 / ratio:.3g}x too quiet" if ratio > 0 else f"{ratio:.3g}x"
+    return f"{how} at W={where.world_size} A={where.accum_label} ({where.label}) against one process"
+
+
+def term_lines(report: Report) -> list[str]:
+    """One line per named term of a composite loss: its own verdict."""
+    return [f"term {name!r}: {verdict(term)}" for name, term in report.terms.items()]
+
+
 def verdict(report: Report) -> str:
-    """One line: wrong sign, skewed, leaking or invariant, and the mode it equals (or nearly equals)."""
+    """One line: wrong sign, skewed, leaking or invariant, and the mode it equals (or nearly equals).
+
+    A composite loss's line leads with its failing terms (``term_lines`` has every term's own).
+    """
+    failing = [name for name, term in report.terms.items() if term.exit_code]
+    if failing:
+        worst = report.terms[failing[0]]
+        lead = f"SKEWED in term {failing[0]!r}" + (f" (and {', '.join(map(repr, failing[1:]))})" if failing[1:] else "")
+        loud = loudness_clause(worst)
+        whole = verdict(replace(report, terms={}))
+        return f"{lead}: {loud or verdict(worst)}; the loss's total reads {whole}"
     change = f"a token's weight changes by up to {report.change:.1%} across configurations"
     if report.wrong_sign:
-        parts = [f"WRONG SIGN: {WRONG_SIGN} ({report.negative:.1%} of the weight inside the mask is negative)",
+        parts = [f"WRONG SIGN: {report.objective.wrong_sign} ({report.negative:.1%} of the weight inside the mask "
+                 "is negative)",
                  change]
     elif report.invariant and not report.leaks and report.masked and report.masked.counts_dropped:
         parts = [f"MISCOUNTS: {change}"]
     else:
         parts = [f"{'SKEWED' if not report.invariant else 'LEAKS' if report.leaks else 'INVARIANT'}: {change}"]
+    if report.term and not report.invariant and (loud := loudness_clause(report)):
+        parts.append(loud)
     clauses = axis_clauses(report)
     parts += clauses
     if report.skewed_only_by_unequal_counts and not any(c.startswith(BUDGET_LEAD) for c in clauses):
@@ -131,27 +161,43 @@ def verdict(report: Report) -> str:
     elif report.near and not clauses:  # an axis clause names the factor better
         mode = report.near.mode
         like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
-        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol)}")
+        hint = ""
+        if report.objective.name == "dpo" and report.near.powers == ((0, 0),) and not report.term:
+            hint = f" (the audit reads with beta = {report.point.beta:g}: is that your loss's beta? --beta sets it)"
+        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol)}{hint}")
     elif not report.skewed_only_by_unequal_counts and not clauses:  # the clauses above name the mode
         parts.append("equals no gradnorm mode")
     return "; ".join(parts)
 
 
-def format_report(report: Report) -> str:
-    """The command's output: the minibatch, a row per configuration, distances, the verdict."""
-    b, conv = report.batch, report.convention
-    lengths = b.mask.sum(-1)
-    loop = "loss / A" if conv.scale_by_accum else "loss as returned"
+def _minibatch_line(report: Report) -> str:
+    """What the synthetic minibatch holds, in the objective's units, and the loop around the loss."""
+    b, conv, point = report.batch, report.convention, report.point
+    lengths = b.response.sum(-1)
+    if point.step:
+        loop = "your step's own backward, scaled as it scales"
+    else:
+        loop = "loss / A" if conv.scale_by_accum else "loss as returned"
     axes = set().union(*(r.axes for r in report.results))
     if "cp" in axes:
         loop += f", context-parallel gradients {conv.cp_reduction}-reduced over each group"
     if "pipeline" in axes:
         loop += f", pipeline losses combined by {conv.pipeline_combine}"
-    lengths = b.response.sum(-1)
-    lines = [f"audit of {report.name}",
-             f"minibatch: {len(lengths)} responses in {b.num_groups} groups of {b.group_size}, "
-             f"{int(lengths.min())} to {int(lengths.max())} tokens (N = {int(b.mask.sum())}); "
-             f"backward of {loop}, gradients {conv.reduction}-reduced over ranks"]
+    span = f"{int(lengths.min())} to {int(lengths.max())} tokens (N = {int(b.mask.sum())})"
+    if report.objective.name == "dpo":
+        held = (f"{len(lengths) // 2} preference pairs, chosen and rejected responses of {span}, read at "
+                f"pi = pi_ref with beta = {point.beta:g}")
+    elif report.objective.name == "sft":
+        held = f"{len(lengths)} sequences of {span.replace('tokens', 'label tokens', 1)}"
+    else:
+        held = f"{len(lengths)} responses in {b.num_groups} groups of {b.group_size}, {span}"
+    return f"minibatch: {held}; backward of {loop}, gradients {conv.reduction}-reduced over ranks"
+
+
+def format_report(report: Report) -> str:
+    """The command's output: the minibatch, a row per configuration, distances, each term, the verdict."""
+    b = report.batch
+    lines = [f"audit of {report.name} ({report.objective.name.upper()})", _minibatch_line(report)]
     if report.masked:
         m = report.masked
         lines.append(f"masked tokens: {m.response_tokens} generated, {m.dropped_tokens} of them declared dropped "
@@ -163,12 +209,15 @@ def format_report(report: Report) -> str:
         k = int(torch.argmax(ratio))
         lines.append(f"{r.world_size:>3} {r.accum_label:>3}  {r.label:<22} {r.change:>10.1%}  "
                      f"rank {k}: {r.update_share[k]:.1%} / {r.token_share[k]:.1%}")
-    dist = " | ".join(f"{m} {report.distance[m]:.2g}" for m in MODES)
-    lines.append(f"distance to each mode: {dist} (C = {report.constant:.6g})")
+    dist = " | ".join(f"{m} {report.distance[m]:.2g}" for m in report.modes)
+    constant = f" (C = {report.constant:.6g})" if "constant" in report.modes else ""
+    lines.append(f"distance to each mode: {dist}{constant}")
     lines.append(f"weight outside the mask: {report.leak:.1%} of the total")
-    if report.residual > report.tol:
+    if report.residual > report.tol and not report.terms:
         lines.append(f"note: part of the gradient does not scale with the advantages ({report.residual:.2g} of the "
-                     f"surrogate's; a k1 KL, an entropy bonus?); the weights above exclude it")
+                     f"surrogate's; a k1 KL, an entropy bonus?); the weights above exclude it (name the loss's "
+                     f"terms to audit each)")
+    lines += term_lines(report)
     lines.append(f"verdict: {verdict(report)}")
     return "\n".join(lines)
 
@@ -178,7 +227,8 @@ def verdict_table(reports: Sequence[Report]) -> str:
     rows = [f"{'loss':<36} {'verdict':<10} {'max change':>10} {'leak':>6}  equals"]
     for r in reports:
         equals = f"constant C = {r.constant:.6g}" if r.equals == "constant" else (r.equals or "-")
-        how = "WRONG SIGN" if r.wrong_sign else "SKEWED" if not r.invariant else "LEAKS" if r.leaks else "invariant"
+        skewed = not r.invariant or any(t.exit_code for t in r.terms.values())
+        how = "WRONG SIGN" if r.wrong_sign else "SKEWED" if skewed else "LEAKS" if r.leaks else "invariant"
         rows.append(f"{r.name:<36} {how:<10} {r.change:>10.1%} "
                     f"{r.leak:>6.1%}  {equals}")
     return "\n".join(rows)
@@ -203,7 +253,7 @@ def skewed_only_by(report: Report, axis: str) -> bool:
 def _mode_without(report: Report, axis: str) -> str | None:
     """The first mode matched by the reference and every configuration without ``axis``."""
     without = [r for r in report.results if axis not in r.axes]
-    return next((m for m in MODES if max(r.distance[m] for r in without) <= report.tol), None)
+    return next((m for m in report.modes if max(r.distance[m] for r in without) <= report.tol), None)
 
 
 def _units(result: Result, axis: str) -> list[Tensor]:
