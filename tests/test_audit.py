@@ -201,6 +201,7 @@ EXPECTED_EXIT = {
     "token_sum_over_global_count": 0, "group_mean_then_mean_of_groups": 0, "microbatch_mean_of_sequence_means": 1,
     "row_mean_over_packs": 1, "sequence_mean_inside_packs": 0, "context_parallel_chunk_mean": 1,
     "pipeline_mean_of_token_means": 1, "gspo_sequence_ratio": 0, "cispo_clipped_weight": 0,
+    "dapo_generation_window_count": 1,
 }  # each audited with the flags of its splits (conventions.AXES)
 
 

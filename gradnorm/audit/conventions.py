@@ -30,6 +30,13 @@ The conventions of the splits beyond (W, A, sharding), each audited with the fla
     gspo_sequence_ratio               1 / (S * |o_i|)            GSPO on policy (``sequence``)
     cispo_clipped_weight              1 / N                      CISPO on policy (``token``)
 
+An outer-loop error no single microbatch shows, audited across A:
+
+    dapo_generation_window_count      A / (S_gen * N)            the count taken over a generation
+                                                                 batch of S_gen microbatches while the
+                                                                 step spans A (TRL's ``dapo``, TRL #5619;
+                                                                 exact only when A = S_gen)
+
 Under packing ``advantages`` come per token, (n, L), so the helpers below take either shape.
 """
 
@@ -188,6 +195,23 @@ def cispo_clipped_weight(logp, old_logp, advantages, mask, *, num_tokens, world_
     return torch.where(mask, terms, 0.0).sum() / num_tokens * world_size
 
 
+STEPS_PER_GENERATION = 4
+"""S_gen: the microbatches one generation batch spans, whose tokens ``num_items_in_batch`` counts."""
+
+
+def dapo_generation_window_count(logp, old_logp, advantages, mask, *, num_tokens, world_size, accum_steps):
+    """The token sum over the generation batch's count, times W: right only when the step spans S_gen microbatches.
+
+    ``num_items_in_batch`` counts the completion tokens of the whole generation batch, S_gen
+    microbatches of every rank, while the optimizer steps after A of them. On the audit's
+    minibatch (every microbatch alike on average) that count is N * S_gen / A, so every weight is
+    A / S_gen times the fix's: the step's weights sum to A / S_gen, not 1 (TRL #5619; TRL PR
+    #6024 measured 0.5x at S_gen = 4, A = 2).
+    """
+    generation_tokens = num_tokens * STEPS_PER_GENERATION / accum_steps
+    return _token_loss(logp, old_logp, advantages, mask).sum() / generation_tokens * world_size
+
+
 CATALOGUE = {
     fn.__name__: fn
     for fn in (
@@ -203,6 +227,7 @@ CATALOGUE = {
         pipeline_mean_of_token_means,
         gspo_sequence_ratio,
         cispo_clipped_weight,
+        dapo_generation_window_count,
     )
 }
 """Every convention above by name, in the order of the module docstring."""
@@ -212,5 +237,6 @@ AXES = {
     "sequence_mean_inside_packs": ("--pack", "256"),
     "context_parallel_chunk_mean": ("--context-parallel", "2"),
     "pipeline_mean_of_token_means": ("--pipeline-combine", "mean"),
+    "dapo_generation_window_count": ("--accum-steps", "2", "8"),  # A != S_gen: at A = S_gen it is exact
 }
 """The flags each convention is audited with (the splits it is about); the others take none."""
