@@ -20,6 +20,9 @@ What must hold:
 """
 
 import math
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +347,13 @@ def test_help_says_how_to_choose_the_objective(capsys):
                    "LOSS(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, chosen_mask, rejected_mask",
                    "--step: LOSS is instead a rank's step", "dict of named scalar terms"):
         assert needle in " ".join(out.split()) or needle in out, needle
+
+
+def test_the_docs_show_what_each_sft_dpo_and_composite_command_prints(capsys):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "audit.md").read_text()
+    section = doc[doc.index("## SFT, DPO, your own loop"):doc.index("## What the audit can and cannot see")]
+    runs = re.findall(r"```bash\n\.venv/bin/python -m gradnorm\.audit (.*?)\n```\n\n```text\n(.*?)```", section, re.S)
+    assert len(runs) == 3
+    for argv, printed in runs:
+        code, out, err = run(capsys, *shlex.split(argv))
+        assert code == 1 and err == "" and out == printed, argv

@@ -175,9 +175,9 @@ def _minibatch_line(report: Report) -> str:
     b, conv, point = report.batch, report.convention, report.point
     lengths = b.response.sum(-1)
     if point.step:
-        loop = "your step's own backward, scaled as it scales"
+        loop = "backward by your step, scaled as it scales"
     else:
-        loop = "loss / A" if conv.scale_by_accum else "loss as returned"
+        loop = "backward of loss / A" if conv.scale_by_accum else "backward of loss as returned"
     axes = set().union(*(r.axes for r in report.results))
     if "cp" in axes:
         loop += f", context-parallel gradients {conv.cp_reduction}-reduced over each group"
@@ -191,7 +191,7 @@ def _minibatch_line(report: Report) -> str:
         held = f"{len(lengths)} sequences of {span.replace('tokens', 'label tokens', 1)}"
     else:
         held = f"{len(lengths)} responses in {b.num_groups} groups of {b.group_size}, {span}"
-    return f"minibatch: {held}; backward of {loop}, gradients {conv.reduction}-reduced over ranks"
+    return f"minibatch: {held}; {loop}, gradients {conv.reduction}-reduced over ranks"
 
 
 def format_report(report: Report) -> str:
