@@ -143,14 +143,20 @@ class Report:
         return 0 if self.invariant and not self.leaks and not self.wrong_sign and not miscounts and not terms_fail else 1
 
     @property
+    def loudness_by_result(self) -> list[float]:
+        """Each configuration's total weight over the reference's (one process): 1 for a term weighed right."""
+        base = float(self.results[0].weights.sum())
+        return [float(r.weights.sum()) / base if base else math.inf for r in self.results[1:]]
+
+    @property
     def loudness(self) -> tuple[float, Result]:
         """(how many times its one-process total weight, where it is furthest from 1) over every configuration.
 
         A term 32x too loud under A = 32 reads 32; a term that is correct, 1.
         """
-        base = float(self.results[0].weights.sum())
-        ratios = [(float(r.weights.sum()) / base if base else math.inf, r) for r in self.results[1:]]
-        return max(ratios, key=lambda x: abs(math.log(abs(x[0]))) if x[0] and math.isfinite(x[0]) else math.inf)
+        def distance(ratio: float) -> float:
+            return abs(math.log(abs(ratio))) if ratio and math.isfinite(ratio) else math.inf
+        return max(zip(self.loudness_by_result, self.results[1:]), key=lambda pair: distance(pair[0]))
 
 
 def _modes(objective: Objective, term: bool) -> tuple[str, ...]:

@@ -78,7 +78,7 @@ def _why(p: int, q: int, convention: Convention) -> list[str]:
     return says
 
 
-def explain_factor(near: Near, convention: Convention, tol: float) -> str:
+def explain_factor(near: Near, convention: Convention, tol: float, subject: str = "your loss") -> str:
     """``up to a factor 1/W: your loss is missing the world-size factor W (...)``: the factor, then why."""
     readings = [" and ".join(_why(p, q, convention)) for p, q in near.powers]  # one per law that fits
     if near.powers and abs(abs(near.scale) - 1) > tol:  # a constant k besides W^p * A^q
@@ -87,7 +87,7 @@ def explain_factor(near: Near, convention: Convention, tol: float) -> str:
     readings = [r for r in readings if r]  # k = -1 alone: the wrong sign, which the verdict says first
     text = f"up to a factor {factor_name(near, tol)}"
     if readings:
-        text += ": your loss " + " or ".join(readings)
+        text += f": {subject} " + " or ".join(readings)
     if len(near.powers) > 1:
         text += " (audit with W != A to tell which)"
     return text
@@ -164,7 +164,8 @@ def verdict(report: Report) -> str:
         hint = ""
         if report.objective.name == "dpo" and report.near.powers == ((0, 0),) and not report.term:
             hint = f" (the audit reads with beta = {report.point.beta:g}: is that your loss's beta? --beta sets it)"
-        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol)}{hint}")
+        subject = "the term" if report.term else "your loss"
+        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol, subject)}{hint}")
     elif not report.skewed_only_by_unequal_counts and not clauses:  # the clauses above name the mode
         parts.append("equals no gradnorm mode")
     return "; ".join(parts)
