@@ -24,6 +24,7 @@ import re
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from audit_command import run, verdict_of  # tests/audit_command.py
@@ -357,3 +358,37 @@ def test_the_docs_show_what_each_sft_dpo_and_composite_command_prints(capsys):
     for argv, printed in runs:
         code, out, err = run(capsys, *shlex.split(argv))
         assert code == 1 and err == "" and out == printed, argv
+
+
+def test_sft_losses_under_packed_rows_and_context_parallelism(capsys):
+    packed = Splits(pack=256)
+    fix = audit(sft_conventions.token_sum_over_num_items, objective="sft", world_sizes=(2,), splits=packed)
+    old = audit(sft_conventions.model_drops_loss_kwargs, objective="sft", world_sizes=(2,), splits=packed)
+    assert fix.invariant and fix.equals == "token" and any("pack" in r.axes for r in fix.results)
+    assert not old.invariant and old.equals == "local"  # the control
+    code, out, _ = run(capsys, "gradnorm.audit.sft_conventions:token_sum_over_num_items", "--objective", "sft",
+                       "--context-parallel", "2", "--world-size", "2")
+    assert code == 1 and "every weight is divided by K = 2" in verdict_of(out)  # it does not multiply by K
+
+
+def test_the_weight_map_draws_a_dpo_result():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from gradnorm.audit import plot as auditplot
+
+    report = audit(dpo_conventions.pair_mean_per_microbatch, objective="dpo", world_sizes=(2,), accum_steps=(2,),
+                   shardings=("length",))
+    result = report.results[-1]
+    ax_map, ax_share = Figure().subplots(1, 2)
+    image = auditplot.plot_weight_map(ax_map, report.batch, result)
+    sequence, _, _ = auditplot.plan_rows(result)
+    drawn = np.ma.filled(image.get_array(), np.nan)
+    expected = (result.weights[sequence] * report.batch.mask.sum()).numpy()
+    counted = report.batch.mask[sequence].numpy()
+    assert np.allclose(drawn[counted], expected[counted], rtol=1e-9, atol=0)
+    assert int(np.isfinite(drawn).sum()) == int(counted.sum())  # padding blank
+    bars = auditplot.plot_rank_shares(ax_share, result)
+    assert [b.get_height() for b in bars["update"]] == pytest.approx(result.update_share.tolist())
