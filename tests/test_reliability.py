@@ -13,6 +13,7 @@ holds the tests that the other test files did not already have.
 """
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -33,7 +34,7 @@ from gradnorm.tasks import RepeatTask
 from gradnorm.teach.launch import torchrun_command
 from gradnorm.train import main
 from gradnorm.trainer import step
-from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.checkpoint import checksums, store
 from gradnorm.trainer.rollout import check_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,6 +175,7 @@ def poison_a_tensor(path: Path, payload) -> None:
     """Point one stored tensor of the checkpoint at ``torch.save(payload)`` appended to its data file.
 
     The test trusts its own .metadata, so it may use plain pickle here; the trainer never does.
+    The attacker recomputes both files' checksums, so the safe unpickler is what must refuse it.
     """
     metadata = pickle.loads((path / ".metadata").read_bytes())
     index = next(i for i in metadata.storage_data if i.fqn.startswith("model."))
@@ -184,6 +186,8 @@ def poison_a_tensor(path: Path, payload) -> None:
     with open(data, "ab") as f:
         f.write(buffer.getvalue())
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    checksums.write(data)
+    checksums.write(path / ".metadata")
 
 
 def bad_checkpoint(kind, directory: Path, good: Path, target: Path) -> None:
@@ -200,8 +204,9 @@ def bad_checkpoint(kind, directory: Path, good: Path, target: Path) -> None:
         dist_state.write({"weights": torch.zeros(3)}, path)
     elif kind == "not-torch":
         (path / ".metadata").write_text("this is not a checkpoint\n")
-    elif kind == "malicious-pickle":
+    elif kind == "malicious-pickle":  # with its checksum recomputed: the unpickler must hold the line
         (path / ".metadata").write_bytes(pickle.dumps(Evil(target)))
+        checksums.write(path / ".metadata")
     elif kind == "malicious-torch":
         poison_a_tensor(path, {"weights": Evil(target)})
 
@@ -221,6 +226,63 @@ def test_a_bad_checkpoint_is_one_line_and_never_executed(kind, says, tmp_path, g
     assert run_main(out, "--steps", "10", "--resume") != 0
     one_error_line(capsys.readouterr().err, says)
     assert not target.exists()  # the pickle's os.system never ran
+
+
+def _overwrite_inside(path: Path, offset_share: float = 0.5) -> None:
+    """8 bytes overwritten in the middle of the file: the same size, still a valid archive or JSON."""
+    data = bytearray(path.read_bytes())
+    at = int(len(data) * offset_share)
+    data[at:at + 8] = bytes(255 - b for b in data[at:at + 8])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["shard", "trainer_state"])
+def test_bytes_changed_inside_a_checkpoint_are_one_line_naming_the_file_and_the_one_before(where, tmp_path,
+                                                                                          good_checkpoint, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(good_checkpoint, out / "ckpt_step1")  # an earlier complete checkpoint to fall back on
+    shutil.copytree(good_checkpoint, out / "ckpt_step2")
+    if where == "shard":
+        name = max((out / "ckpt_step2").glob("*.distcp"), key=lambda p: p.stat().st_size).name
+        _overwrite_inside(out / "ckpt_step2" / name)
+    else:  # a digit of a counter changed: the JSON still parses
+        name = "trainer_state.json"
+        state = out / "ckpt_step2" / name
+        state.write_text(state.read_text().replace('"skipped": 0', '"skipped": 7'))
+        assert json.loads(state.read_text())["skipped"] == 7
+    assert run_main(out, "--steps", "4", "--resume") != 0
+    err = capsys.readouterr().err
+    one_error_line(err, f"ckpt_step2 is truncated or corrupt ({name} does not match the sha256 written with it)")
+    one_error_line(err, "(the checkpoint before it: ckpt_step1)")
+
+
+def test_control_an_untouched_checksummed_checkpoint_resumes(tmp_path, good_checkpoint):
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(good_checkpoint, out / "ckpt_step2")
+    shutil.copy(good_checkpoint.parent / "config.json", out / "config.json")
+    assert sorted(p.name for p in good_checkpoint.glob("*.sha256")) == sorted(
+        [p.name + ".sha256" for p in good_checkpoint.glob("*.distcp")] + [".metadata.sha256", "trainer_state.json.sha256"])
+    assert run_main(out, "--steps", "3", "--resume") == 0
+    assert checksums.mismatch(out / "ckpt_step3" / "trainer_state.json") is None
+
+
+def _verify_with_a_corrupt_second_file(ctx, directory):
+    return checksums.verify_shards(Path(directory), ctx.rank, ctx.world_size)
+
+
+def test_ranks_split_the_checksums_and_all_refuse_with_the_same_words(tmp_path):
+    from gradnorm.dist.spawn import spawn_gloo
+
+    for name in ("__0_0.distcp", "__1_0.distcp", "__2_0.distcp", ".metadata"):
+        (tmp_path / name).write_bytes(name.encode() * 100)
+        checksums.write(tmp_path / name)
+    _overwrite_inside(tmp_path / "__1_0.distcp")  # checked by rank 1 of 2 (files 1, 3), not by rank 0 (0, 2)
+    says = spawn_gloo(_verify_with_a_corrupt_second_file, 2, str(tmp_path))
+    assert says == ["__1_0.distcp does not match the sha256 written with it"] * 2
+    checksums.write(tmp_path / "__1_0.distcp")  # the control: recomputed, every file matches
+    assert spawn_gloo(_verify_with_a_corrupt_second_file, 2, str(tmp_path)) == [None, None]
 
 
 def test_a_checkpoint_of_another_model_names_the_flags(tmp_path, good_checkpoint, capsys):
@@ -312,12 +374,12 @@ def assert_same_steps(resumed: Path, reference: Path, steps=(3, 4)) -> None:
     got = {m["step"]: m for m in metrics(resumed)}
     want = {m["step"]: m for m in metrics(reference)}
     assert sorted(got) == [1, 2, 3, 4]
-    for step in steps:
+    for n in steps:
         for key in MEANINGFUL:
-            if isinstance(want[step][key], float):
-                assert_close(got[step][key], want[step][key], rtol=1e-5, atol=1e-7, msg=f"step {step} {key}")
+            if isinstance(want[n][key], float):
+                assert_close(got[n][key], want[n][key], rtol=1e-5, atol=1e-7, msg=f"step {n} {key}")
             else:
-                assert got[step][key] == want[step][key], (step, key)
+                assert got[n][key] == want[n][key], (n, key)
 
 
 @pytest.mark.slow

@@ -148,6 +148,11 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 0
 
 
+def world_size() -> int:
+    """The number of ranks in the process group; 1 without one."""
+    return dist.get_world_size() if _active() else 1
+
+
 def all_reduce_sum(tensor: Tensor) -> Tensor:
     """Sum ``tensor`` over ranks, in place; the identity without a process group."""
     if _active():

@@ -4,6 +4,8 @@ Layout of output-dir/ (the same for ``--parallel ddp``, ``fsdp`` and a plain pro
 
     ckpt_step{N}/              the state after optimizer step N, complete
         .metadata              DCP's index of the tensors (written last by the coordinator)
+        *.sha256               each file's checksum, written with it, checked before it is read
+                               (``gradnorm.trainer.checkpoint.checksums``)
         __{r}_0.distcp         rank r's part: its shards of the model and AdamW state under FSDP2
                                (under DDP DCP spreads the replicated tensors over the ranks), the
                                reference policy when --beta > 0, and rank r's RNG states
@@ -45,6 +47,7 @@ import torch
 from gradnorm.core.errors import first_line
 from gradnorm.dist import comm
 from gradnorm.dist import state as dist_state
+from gradnorm.trainer.checkpoint import checksums
 from gradnorm.trainer.checkpoint.rng import rng_state, set_rng_state
 
 _NAME = re.compile(r"^ckpt_step(\d+)$")
@@ -90,12 +93,17 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
     def publish():  # rank 0: the counters, then the atomic rename
         if rank == 0:
             _write_synced(tmp / RUN_FILE, json.dumps(run, indent=2) + "\n")
+            checksums.write(tmp / RUN_FILE)
             if final.exists():  # the same step saved again (a rerun): the new one replaces it
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(final.parent)
 
-    for phase in (fresh_tmp, lambda: dist_state.write(state, tmp), publish):
+    def write_shards():  # every rank its part, then the checksums of what it wrote
+        dist_state.write(state, tmp)
+        checksums.write_shards(tmp, rank)
+
+    for phase in (fresh_tmp, write_shards, publish):
         error = None
         try:
             phase()
@@ -143,6 +151,8 @@ def read_run_state(path: str | Path, required: tuple[str, ...]) -> dict[str, Any
         raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (missing {RUN_FILE}); {ADVICE}") from None
     except (OSError, ValueError) as err:
         raise ValueError(f"checkpoint {path} is truncated or corrupt ({RUN_FILE}: {first_line(err)}); {ADVICE}") from None
+    if checksums.checked(path) and (why := checksums.mismatch(path / RUN_FILE)):
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({why}); {_advice(path)}")
     missing = [k for k in required if not isinstance(run, dict) or k not in run]
     if missing:
         raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint ({RUN_FILE} lacks "
@@ -156,6 +166,7 @@ def load(path: str | Path, state: dict[str, Any], rank: int) -> None:
     path = Path(path)
     stored = _stored_tensors(path)
     _check_same_model(path, stored, state)
+    _verify(path, rank, comm.world_size())
     key = f"rank{rank}" if f"rng.rank{rank}.torch" in stored else "rank0"
     rng = {name: t for name, t in rng_state().items() if f"rng.{key}.{name}" in stored}  # CUDA only if saved
     try:
@@ -176,11 +187,27 @@ def read_tensors(path: str | Path, name: str = "model") -> dict[str, torch.Tenso
             for key, (shape, dtype) in _stored_tensors(path).items() if key.startswith(prefix)}
     if not part:
         raise ValueError(f"checkpoint {path} holds no {name} tensors; {ADVICE}")
+    _verify(path, rank=0, world_size=1)
     try:
         dist_state.read({name: part}, path)
     except Exception as err:
         raise _load_error(path, err) from None
     return part
+
+
+def _verify(path: Path, rank: int, world_size: int) -> None:
+    """Every file's checksum, split between the ranks (a checkpoint written before checksums: none)."""
+    if checksums.checked(path) and (why := checksums.verify_shards(path, rank, world_size)):
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({why}); {_advice(path)}")
+
+
+def _advice(path: Path) -> str:
+    """ADVICE, naming the complete checkpoint before ``path`` when there is one."""
+    earlier = [(int(m.group(1)), p) for p in path.parent.glob("ckpt_step*")
+               if (m := _NAME.match(p.name)) and p.is_dir() and p != path]
+    step = int(_NAME.match(path.name).group(1)) if _NAME.match(path.name) else None
+    before = max((e for e in earlier if step is None or e[0] < step), default=None)
+    return f"{ADVICE} (the checkpoint before it: {before[1].name})" if before else ADVICE
 
 
 def _stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
