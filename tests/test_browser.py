@@ -263,6 +263,9 @@ def move_slider_and_check_redraw(page, description, shots, stem, presses=PRESSES
     cell = page.locator(".jp-CodeCell").filter(has=slider)
     handle, readout = slider.locator(".noUi-handle"), slider.locator(".widget-readout")
     cell.scroll_into_view_if_needed()
+    # A cell scrolled into view may draw its widgets a moment later (JupyterLab renders cells near
+    # the viewport only): CI once read an empty readout here. Wait for the slider to show a value.
+    page.wait_for_function("el => el.textContent.trim() !== ''", arg=readout.element_handle(), timeout=timeout_ms)
     srcs_before, digests_before = _image_srcs(cell), _image_digests(cell)
     assert srcs_before, f"no plot image in the cell of slider {description!r}"
     readout_before, texts_before = readout.inner_text(), _readout_texts(cell)
