@@ -30,8 +30,8 @@ from gradnorm.core.denominators import (
     token_weights,
 )
 from gradnorm.core.pairs import PAIR_MODES, count_pairs, dpo_losses, pair_weights, response_logps
-from gradnorm.core.sft import SFT_MODES, count_labels, label_logprobs, sft_weights
+from gradnorm.core.sft import IGNORE_INDEX, SFT_MODES, count_labels, label_logprobs, sft_weights
 
-__all__ = ["MODES", "PAIR_MODES", "SFT_MODES", "Counts", "Denominator", "count_labels", "count_pairs", "count_tokens",
-           "dpo_losses", "label_logprobs", "loss_weights", "pair_weights", "parse_denominator", "response_logps",
-           "sft_weights", "token_weights"]
+__all__ = ["IGNORE_INDEX", "MODES", "PAIR_MODES", "SFT_MODES", "Counts", "Denominator", "count_labels", "count_pairs",
+           "count_tokens", "dpo_losses", "label_logprobs", "loss_weights", "pair_weights", "parse_denominator",
+           "response_logps", "sft_weights", "token_weights"]
