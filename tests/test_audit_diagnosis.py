@@ -221,7 +221,7 @@ def test_a_loss_skewed_only_by_unequal_sequence_counts_is_told_so(capsys):
     report = decide.audit(sequence_mean_per_microbatch, (8,), (4,))
     assert report.skewed_only_by_unequal_counts and report.equals_at_equal_counts == "sequence"
     assert f"{EQUAL}, where it equals gradnorm's `sequence`" in line
-    assert f"skewed by up to {report.change:.1%} when they do not (token-budget microbatches" in line
+    assert f"skewed by up to {report.change:.1%} when they do not (under " in line
     assert "--sharding interleave contiguous length" in line
     # The catalogue's mean of sequence means prints the same line, as docs/audit.md pastes it.
     _, out, _ = run(capsys, "gradnorm.audit.conventions:microbatch_mean_of_sequence_means", "--world-size", "8",

@@ -91,3 +91,24 @@ def test_share_sweep():
     # rank 0 holds 2 * 12 / imbalance + 24 of 2 * 12 / imbalance + 72 tokens
     assert_allclose(sweep.token_share, [48 / 96, 36 / 84, 30 / 78])
     assert_allclose(sweep.update_share["token"], sweep.token_share)
+
+
+def test_the_imbalance_figure_of_pairs_and_of_label_tokens_speaks_their_units():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from gradnorm.teach import sweeps, views
+
+    _, plan = sweeps.packed_pairs(4)
+    pairs = imbalance.pairs_minibatch(plan)
+    artists = views.imbalance_figure(Figure(), pairs, objective="dpo", reference="pair")
+    heights = [bar.get_height() for bar in artists["weights"]["local"]]
+    assert heights[0] == pytest.approx(26 / 8) and heights[-1] == pytest.approx(26 / 32)  # v x P
+    assert "pairs" in artists["note"].get_text() and "v × P" in artists["line"].get_label()
+    sft = views.imbalance_figure(Figure(), imbalance.imbalanced_minibatch(), objective="sft")
+    assert "label tokens" in sft["note"].get_text()
+    grpo = views.imbalance_figure(Figure(), imbalance.imbalanced_minibatch())
+    assert "of the tokens," in grpo["note"].get_text()  # 01's words unchanged

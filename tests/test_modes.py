@@ -23,10 +23,11 @@ def test_every_table_keyed_by_mode_or_sharding_covers_its_vocabulary():
     pytest.importorskip("matplotlib")
     from gradnorm.teach import plotting
     from gradnorm.core.sharding import SHARD_KINDS
+    from gradnorm.core.pairs import PAIR_MODES
     from gradnorm.teach.sweeps import DPO_MODES
 
     assert set(modes.MODE_NAMES) | set(DPO_MODES) <= set(plotting.MODE_COLORS)
-    assert set(DPO_MODES.values()) <= set(MODES)
+    assert set(DPO_MODES) == set(PAIR_MODES)
     assert set(plotting.SHARD_STYLES) == set(SHARD_KINDS)
 
 
@@ -52,4 +53,4 @@ def test_one_palette_whose_families_never_share_a_colour():
 
 
 def modes_of_the_palette():
-    return modes.MODE_NAMES  # "global" (DPO) is token's rule and shares its colour on purpose
+    return modes.MODE_NAMES  # "pair" (DPO) is token's rule and shares its colour on purpose

@@ -12,7 +12,7 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
-from gradnorm.teach import sweeps
+from gradnorm.teach import imbalance, sweeps
 from gradnorm.teach.imbalance import token_layout
 from gradnorm.core.modes import INVARIANT_MODES
 
@@ -72,13 +72,31 @@ def test_sft_has_the_same_bug_and_the_same_fix():
 
 def test_packed_pairs_by_hand():
     lengths, plan = sweeps.packed_pairs(4, world_size=2, accum_steps=2, pairs_per_microbatch=8, short_length=6)
-    pairs = sweeps.pairs_as_minibatch(plan)
+    pairs = imbalance.pairs_minibatch(plan)
     assert pairs.microbatch_tokens().tolist() == [[2, 8], [8, 8]]
     assert lengths[:4] == (24, 24, 24, 24) and set(lengths[4:]) == {6} and len(lengths) == 2 * 26
     tokens = [[sum(lengths[2 * p] + lengths[2 * p + 1] for p in mb.tolist()) for mb in rank] for rank in plan]
     assert tokens == [[96, 96], [96, 96]]  # one token budget for every microbatch
-    assert fractions(token_layout(pairs, "local").weight[[0, -1]]) == [Fraction(1, 8), Fraction(1, 32)]
-    assert fractions(token_layout(pairs, "token").weight[[0, -1]]) == [Fraction(1, 26)] * 2
+    local, _ = imbalance.layout_and_shares(pairs, "local", objective="dpo")
+    fix, _ = imbalance.layout_and_shares(pairs, "pair", objective="dpo")
+    assert fractions(local.weight[[0, -1]]) == [Fraction(1, 8), Fraction(1, 32)]  # 1/(W A P[r, m])
+    assert fractions(fix.weight[[0, -1]]) == [Fraction(1, 26)] * 2  # 1/P
+
+
+def test_sft_weights_of_a_minibatch_are_grpos_token_weights_and_a_pair_is_one_unit():
+    """SFT's table is GRPO's without groups, and a pair weighed as one unit is token's rule: the
+    library's SFT and pair weights agree with GRPO's effective weights where the math says so."""
+    batch = imbalance.imbalanced_minibatch(2, 2, 4)
+    for mode in ("local", "token", "sequence"):
+        sft, _ = imbalance.layout_and_shares(batch, mode, objective="sft")
+        assert_allclose(sft.weight, token_layout(batch, mode).weight, rtol=1e-15)
+    _, plan = sweeps.packed_pairs(4)
+    pairs = imbalance.pairs_minibatch(plan)
+    for pair_mode, token_mode in (("local", "local"), ("pair", "token")):
+        got, _ = imbalance.layout_and_shares(pairs, pair_mode, objective="dpo")
+        assert_allclose(got.weight, token_layout(pairs, token_mode).weight, rtol=1e-15)
+    with pytest.raises(ValueError, match="unknown objective"):
+        imbalance.layout_and_shares(batch, "token", objective="ppo")
 
 
 def test_dpo_pair_losses_longhand():
@@ -93,13 +111,22 @@ def test_dpo_pair_losses_longhand():
     expected = [-float(logsigmoid(torch.tensor(0.1 * (margin[2 * p] - margin[2 * p + 1]), dtype=torch.float64)))
                 for p in range(2)]
     got = sweeps.dpo_pair_losses(policy, problem, torch.arange(2), beta=0.1)
-    assert got.shape == (2, 1)
-    assert_allclose(got.squeeze(-1).detach().numpy(), expected, rtol=1e-12)
+    assert got.shape == (2,)
+    assert_allclose(got.detach().numpy(), expected, rtol=1e-12)
 
 
 def test_dpo_sweep_exact_with_equal_pair_counts_and_not_otherwise():
     sweep = sweeps.dpo_sweep([1, 4])
     assert sweep.unit == "pairs" and sweep.microbatch_tokens[1].tolist() == [[2, 8], [8, 8]]
-    assert sweep.relative_error["global"].max() < 1e-12
+    assert sweep.relative_error["pair"].max() < 1e-12
     assert sweep.relative_error["local"][0] < 1e-12  # the same number of pairs everywhere: exact
     assert sweep.relative_error["local"][1] > 0.1 and sweep.cosine["local"][1] < 0.95
+
+
+def test_long_pairs_explain_locals_cosine_exactly_and_a_wrong_share_does_not():
+    ratios = [1, 8 / 3, 4]
+    lp, dpo = sweeps.long_pairs(ratios), sweeps.dpo_sweep(ratios)
+    assert_allclose(lp.predicted_cosine(), dpo.cosine["local"], rtol=0, atol=1e-9)
+    assert_allclose(lp.share_full, [8 / 32, 3 / 27, 2 / 26]) and set(lp.share_local) == {0.25}
+    wrong = sweeps.LongPairs(lp.x, lp.share_full, lp.share_full * 2, lp.norm_ratio, lp.cosine_long_short)
+    assert abs(wrong.predicted_cosine() - dpo.cosine["local"])[1:].min() > 1e-3  # the control

@@ -102,8 +102,8 @@ def _equal_counts_clause(report: Report) -> str:
     where = f", where it equals {like}" if mode else ""
     unit = "pairs" if report.objective.unit == "pair" else "sequences"
     return (f"invariant whenever every microbatch holds the same number of {unit}{where}; skewed by up to "
-            f"{max(r.change for r in uneven):.1%} when they do not (token-budget microbatches: "
-            f"{' '.join(dict.fromkeys(r.label for r in uneven))})"
+            f"{max(r.change for r in uneven):.1%} when they do not (under "
+            f"{', '.join(dict.fromkeys(r.label for r in uneven))})"
             + (f"; if your trainer's microbatches hold a fixed number of {unit}, audit with --sharding "
                f"{' '.join(even)}" if even else ""))
 

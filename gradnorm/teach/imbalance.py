@@ -5,6 +5,11 @@ microbatch, ``token_layout`` gives each sequence's per-token weight, ``rank_shar
 share of the update against its share of the tokens, ``share_sweep`` how rank 0's shares move as
 its short microbatch shrinks. The weights are the library's own (``simulate.effective_weights``),
 never re-derived here.
+
+Notebook 05 draws the same picture for SFT and DPO with their own weights: ``sft_weights_of``
+(``gradnorm.sft_weights`` per microbatch, each label token one unit) and ``pair_weights_of``
+(``gradnorm.pair_weights``, each preference pair one unit, ``pairs_minibatch``), both from the
+counts that the step's one all-reduce would sum; ``layout_and_shares(..., objective=)`` picks them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from torch import Tensor
 from gradnorm.teach import worked_example
 from gradnorm.core.denominators import Denominator, mask_from_lengths
 from gradnorm.core.modes import resolve
+from gradnorm.core.pairs import count_pairs, pair_weights
+from gradnorm.core.sft import count_labels, sft_weights
 from gradnorm.core.sharding import Plan, contiguous
 from gradnorm.core.simulate import effective_weights
 
@@ -108,9 +115,20 @@ def token_layout(batch: ShardedBatch, mode: str, max_new_tokens: int | None = No
     return _layout(batch, _weights(batch, mode, max_new_tokens))
 
 
-def layout_and_shares(batch: ShardedBatch, mode: str) -> tuple[Layout, RankShares]:
-    """``token_layout`` and ``batch_rank_shares`` from one computation of the weights (the explorer's)."""
-    w = _weights(batch, mode)
+def layout_and_shares(batch: ShardedBatch, mode: str, objective: str = "grpo") -> tuple[Layout, RankShares]:
+    """``token_layout`` and ``batch_rank_shares`` from one computation of the weights (the explorer's).
+
+    ``objective="sft"`` reads ``batch`` as label tokens and weighs them with ``sft_weights_of``;
+    ``"dpo"`` reads it as preference pairs (``pairs_minibatch``) weighed by ``pair_weights_of``.
+    """
+    if objective == "grpo":
+        w = _weights(batch, mode)
+    elif objective == "sft":
+        w = sft_weights_of(batch, mode)
+    elif objective == "dpo":
+        w = pair_weights_of(batch.plan, mode)
+    else:
+        raise ValueError(f"unknown objective {objective!r}: expected grpo, sft or dpo")
     return _layout(batch, w), _shares(batch.mask, w, batch.plan)
 
 
@@ -201,3 +219,44 @@ def share_sweep(
         token_share=np.array([batch_rank_shares(b, "token").tokens[0] for b in batches]),
         update_share={m: np.array([batch_rank_shares(b, m).update[0] for b in batches]) for m in modes},
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT and DPO: the same layout, weighed by the library's SFT and pair weights (notebook 05)
+# ---------------------------------------------------------------------------------------------
+
+
+def sft_weights_of(batch: ShardedBatch, mode: str) -> Tensor:
+    """(S, T) fp64: each label token's weight in J, ``batch.lengths`` read as label-token counts.
+
+    Every microbatch gets ``gradnorm.sft_weights`` with the counts ``[N, S_tok]`` summed over every
+    rank and microbatch (what the step's one all-reduce of ``count_labels`` returns). A rank
+    backpropagates W * w * l and DDP averages over W, so the weight in J is w itself.
+    """
+    mask = batch.mask
+    num_tokens, num_sequences = sum(count_labels(mask[mb]) for rank in batch.plan for mb in rank).tolist()
+    w = torch.zeros(mask.shape, dtype=torch.float64)
+    for rank in batch.plan:
+        for mb in rank:
+            w[mb] = sft_weights(mask[mb], mode, world_size=batch.world_size, accum_steps=len(rank),
+                                num_tokens=num_tokens, num_sequences=num_sequences, dtype=torch.float64)
+    return w
+
+
+def pairs_minibatch(plan: Plan) -> ShardedBatch:
+    """A plan over preference pairs as a ``ShardedBatch`` of one-unit rows, one per pair, so that
+    ``layout_and_shares(..., objective="dpo")`` lays out and weighs pairs as 01 does tokens."""
+    num_pairs = sum(len(mb) for rank in plan for mb in rank)
+    return ShardedBatch(torch.ones(num_pairs, dtype=torch.int64), torch.arange(num_pairs), num_pairs, plan)
+
+
+def pair_weights_of(plan: Plan, mode: str) -> Tensor:
+    """(P, 1) fp64: each pair's weight v_p in J under ``plan``, from ``gradnorm.pair_weights`` and the
+    pair count P that the step's one all-reduce of ``count_pairs`` returns."""
+    num_pairs = int(sum(count_pairs(len(mb)) for rank in plan for mb in rank))
+    v = torch.zeros(num_pairs, 1, dtype=torch.float64)
+    for rank in plan:
+        for mb in rank:
+            v[mb, 0] = pair_weights(len(mb), mode, world_size=len(plan), accum_steps=len(rank), num_pairs=num_pairs,
+                                    dtype=torch.float64)
+    return v

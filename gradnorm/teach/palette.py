@@ -17,10 +17,10 @@ from __future__ import annotations
 from gradnorm.core.modes import PAPER_OF_MODE
 
 MODE_COLORS = {"local": "#d62728", "token": "#1f77b4", "sequence": "#ff7f0e", "group": "#2ca02c",
-               "constant": "#9467bd", "global": "#1f77b4"}  # global: DPO's mean over all pairs (token's rule)
+               "constant": "#9467bd", "pair": "#1f77b4"}  # pair: DPO's mean over all pairs (token's rule)
 # Markers of decreasing size read as concentric rings where exact modes coincide (notebook 02).
-MODE_MARKERS = {"local": "o", "token": "o", "sequence": "s", "group": "^", "constant": "D", "global": "o"}
-MODE_MARKER_SIZES = {"local": 4, "token": 9, "sequence": 7, "group": 5, "constant": 3, "global": 5}
+MODE_MARKERS = {"local": "o", "token": "o", "sequence": "s", "group": "^", "constant": "D", "pair": "o"}
+MODE_MARKER_SIZES = {"local": 4, "token": 9, "sequence": 7, "group": 5, "constant": 3, "pair": 5}
 TOKENS_COLOR = "#9a9a9a"  # a share of the tokens
 NEUTRAL_COLOR = "#4d4d4d"  # a share of the update under a loss that is none of the modes
 RANK_COLORS = ["#8c564b", "#bcbd22", "#e377c2", "#17becf", "#c49c94", "#dbdb8d", "#f7b6d2", "#9edae5"]

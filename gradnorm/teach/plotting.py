@@ -98,6 +98,23 @@ def plot_gradient_sweep(
     return out
 
 
+def plot_gradient_error_linear(ax: Axes, sweep: GradientSweep, mode: str = "local") -> dict[str, Line2D]:
+    """One mode's relative error and 1 - cosine against the full batch on a linear axis.
+
+    The log axes of ``plot_gradient_sweep`` hold the bug and rounding at once; an error that grows
+    from 0.1 to 3 sits in their top decade, so this panel shows how it grows.
+    """
+    style = mode_style(mode)
+    out = {"error": ax.plot(sweep.x, sweep.relative_error[mode], **style, label="|g - g_full| / |g_full|")[0],
+           "1 - cosine": ax.plot(sweep.x, 1 - sweep.cosine[mode], **{**style, "ls": ":", "mfc": "none"},
+                                 label="1 - cos(g, g_full)")[0]}
+    ax.set_title(f"{mode}: error vs the full batch, linear axis", fontsize="medium")
+    ax.set_xlabel(X_LABEL[sweep.unit])
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small", loc="upper left")
+    return out
+
+
 def plot_sharding_comparison(
     ax: Axes, sweeps: dict[str, GradientSweep], mode: str = "local"
 ) -> dict[str, Line2D]:

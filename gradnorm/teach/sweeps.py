@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from gradnorm.teach.imbalance import ShardedBatch
 from gradnorm.core.modes import MODE_NAMES, resolve
+from gradnorm.core.pairs import count_pairs, dpo_losses, pair_weights
 from gradnorm.core.sharding import Plan, make_plan
 from gradnorm.core.simulate import simulated_gradient
 from gradnorm.teach.toy import Problem, make_policy, make_problem, token_logp, token_losses
@@ -138,40 +137,47 @@ def gradient_sweep(
 # DPO: the same mistake in a mean over preference pairs (notebook 05)
 # ---------------------------------------------------------------------------------------------
 
-DPO_MODES = {"local": "local", "global": "token"}  # a pair is one unit: its "token" mean is the mean over pairs
+DPO_MODES = ("local", "pair")  # gradnorm.PAIR_MODES: the per-microbatch pair mean, and the fix
 DPO_MAX_LEN = 64  # longer responses than the GRPO minibatch's, so that token packing moves pairs around
 
 
 def dpo_pair_losses(policy: torch.nn.Module, problem: Problem, pairs: Tensor, beta: float = 0.1) -> Tensor:
-    """DPO's loss of each preference pair, (n, 1): -log sigmoid(beta * (margin_chosen - margin_rejected)).
+    """DPO's loss of each preference pair, (n,): ``gradnorm.dpo_losses`` of the pairs' responses.
 
-    Pair p is the chosen response 2p and the rejected response 2p + 1 of ``problem``; a response's
-    margin is its summed log-prob under the policy minus under the reference, over its mask.
+    Pair p is the chosen response 2p and the rejected response 2p + 1 of ``problem``, scored in one
+    forward pass; the reference log-probs are the problem's ``ref_logp``.
     """
     chosen, rejected = 2 * pairs, 2 * pairs + 1
     both = torch.cat([chosen, rejected])
     logp = token_logp(policy, problem.inputs[both], problem.targets[both])  # (2n, T)
-    margin = torch.where(problem.mask[both], logp - problem.ref_logp[both], 0.0).sum(-1)  # (2n,)
-    n = len(pairs)
-    return -F.logsigmoid(beta * (margin[:n] - margin[n:])).unsqueeze(-1)
+    ref, mask, n = problem.ref_logp[both], problem.mask[both], len(pairs)
+    return dpo_losses(logp[:n], logp[n:], ref[:n], ref[n:], mask[:n], mask[n:], beta=beta)
 
 
 def dpo_gradient(lengths: Sequence[int], mode: str, plan: Plan | None = None, seed: int = 0,
                  max_len: int = DPO_MAX_LEN) -> Tensor:
     """The flat gradient of one DPO step over the pairs of ``lengths`` (chosen, rejected, ...).
 
-    Each pair enters ``simulate.simulated_gradient`` as a one-token "sequence" whose loss is the
-    pair's loss, so ``local`` is the per-microbatch mean over pairs and ``global`` (``token``) the
-    mean over every pair of the minibatch. ``plan`` assigns pairs to ranks and microbatches.
+    W simulated ranks x A microbatches, as in a DDP loop: rank r backpropagates
+    ``(W * v * l).sum()`` for each of its microbatches, v from ``gradnorm.pair_weights`` with the
+    pair count P one all-reduce of ``count_pairs`` would return, and the ranks' gradients are
+    averaged. ``plan`` assigns pairs to ranks and microbatches; ``None`` is the whole batch at once.
     """
     problem = make_problem(lengths=lengths, group_size=2, max_len=max_len, seed=seed)
     policy = make_policy(seed)
-    num_pairs = len(lengths) // 2
-    plan = [[torch.arange(num_pairs)]] if plan is None else plan
-    pair_mask = torch.ones(num_pairs, 1, dtype=torch.bool)  # one unit per pair
-    grads = simulated_gradient(lambda idx: dpo_pair_losses(policy, problem, idx), list(policy.parameters()),
-                               pair_mask, torch.arange(num_pairs), num_pairs, DPO_MODES[mode], plan)
-    return _flat(grads)
+    params = list(policy.parameters())
+    plan = [[torch.arange(len(lengths) // 2)]] if plan is None else plan
+    world_size = len(plan)
+    num_pairs = int(sum(count_pairs(len(mb)) for rank in plan for mb in rank))  # the one all-reduce
+    reduced = [torch.zeros_like(p) for p in params]
+    for rank in plan:
+        for mb in rank:  # gradient accumulation: microbatch gradients add up
+            losses = dpo_pair_losses(policy, problem, mb)
+            v = pair_weights(len(mb), mode, world_size=world_size, accum_steps=len(rank), num_pairs=num_pairs,
+                             dtype=losses.dtype)
+            for acc, g in zip(reduced, torch.autograd.grad((world_size * v * losses).sum(), params)):
+                acc += g
+    return _flat([g / world_size for g in reduced])  # DDP's mean over ranks
 
 
 def packed_pairs(
@@ -196,18 +202,11 @@ def packed_pairs(
     return tuple(lengths), plan
 
 
-def pairs_as_minibatch(plan: Plan) -> ShardedBatch:
-    """A plan over preference pairs as a ``ShardedBatch`` of one-token sequences: each pair one unit,
-    so ``token_layout`` and ``rank_shares`` give each pair's weight and each rank's share."""
-    num_pairs = sum(len(mb) for rank in plan for mb in rank)
-    return ShardedBatch(torch.ones(num_pairs, dtype=torch.int64), torch.arange(num_pairs), num_pairs, plan)
-
-
 def dpo_sweep(
     pair_ratios: Sequence[float], world_size: int = 2, accum_steps: int = 2, pairs_per_microbatch: int = 8,
     short_length: int = 6, seed: int = 0,
 ) -> GradientSweep:
-    """DPO's gradient under ``local`` and ``global`` against the full batch, for ``packed_pairs``.
+    """DPO's gradient under ``local`` and ``pair`` against the full batch, for ``packed_pairs``.
 
     pair ratio = pairs in a full microbatch / pairs in the microbatch of long pairs. At pair ratio 1
     every microbatch holds the same number of pairs and the mean of means is exact (the control).
@@ -231,3 +230,55 @@ def dpo_sweep(
         relative_error={m: np.array(v) for m, v in rel.items()}, cosine={m: np.array(v) for m, v in cos.items()},
         unit="pairs",
     )
+
+
+@dataclass(frozen=True)
+class LongPairs:
+    """Why ``local``'s cosine need not fall steadily with the pair ratio (notebook 05).
+
+    Under ``packed_pairs`` both gradients mix the same two vectors: u, the mean gradient of a long
+    pair (rank 0's first microbatch), and s, the mean gradient of a short pair.
+    ``local`` gives the long pairs 1/(W A) of the update, the full batch their share of the pairs
+    n/P, so g = a u + (1 - a) s with a = ``share_local`` or ``share_full``. Their cosine is set by
+    those shares, and by the length ratio |u| / |s| and the angle between u and s, which belong to
+    the pairs drawn at each ratio, not to the ratio.
+    """
+
+    x: np.ndarray  # (K,) pair ratios
+    share_full: np.ndarray  # (K,) n / P: the long pairs' share of the pairs, their weight in the full batch
+    share_local: np.ndarray  # (K,) 1 / (W A): their weight under local
+    norm_ratio: np.ndarray  # (K,) |u| / |s|
+    cosine_long_short: np.ndarray  # (K,) cos(u, s)
+
+    def predicted_cosine(self) -> np.ndarray:
+        """cos(g_local, g_full) from the two shares, |u| / |s| and cos(u, s) alone."""
+        r, c = self.norm_ratio, self.cosine_long_short
+
+        def dot(a, b):  # (a u + (1 - a) s) . (b u + (1 - b) s), in units of |s|^2
+            return a * b * r * r + (a * (1 - b) + b * (1 - a)) * r * c + (1 - a) * (1 - b)
+
+        a, b = self.share_local, self.share_full
+        return dot(a, b) / np.sqrt(dot(a, a) * dot(b, b))
+
+
+def long_pairs(
+    pair_ratios: Sequence[float], world_size: int = 2, accum_steps: int = 2, pairs_per_microbatch: int = 8,
+    short_length: int = 6, seed: int = 0,
+) -> LongPairs:
+    """``LongPairs`` for ``packed_pairs`` at each pair ratio, on the policy and pairs ``dpo_sweep`` uses."""
+    max_len = max(round(short_length * pairs_per_microbatch / max(1, round(pairs_per_microbatch / k)))
+                  for k in pair_ratios)
+    rows = []
+    for k in pair_ratios:
+        lengths, plan = packed_pairs(k, world_size, accum_steps, pairs_per_microbatch, short_length)
+        problem = make_problem(lengths=lengths, group_size=2, max_len=max_len, seed=seed)
+        policy = make_policy(seed)
+        params = list(policy.parameters())
+        long = plan[0][0]
+        short = torch.cat([torch.cat(rank) for rank in plan])[len(long):]
+        u, s = (_flat(torch.autograd.grad(dpo_pair_losses(policy, problem, idx).mean(), params)) for idx in (long, short))
+        num_pairs = len(long) + len(short)
+        rows.append((len(long) / num_pairs, 1 / (world_size * accum_steps), float(u.norm() / s.norm()),
+                     float(torch.dot(u, s) / (u.norm() * s.norm()))))
+    full, local, ratio, cosine = (np.array(col) for col in zip(*rows))
+    return LongPairs(np.asarray(pair_ratios, dtype=float), full, local, ratio, cosine)

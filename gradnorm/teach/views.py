@@ -29,6 +29,11 @@ X_LABEL = {"tokens": "spread k: response lengths drawn from 12/k to 12 tokens",
                    "pairs": "pair ratio: pairs in a full microbatch / in the long-pair one"}
 
 
+# What a bar of ImbalanceView stands for, per objective: (unit, units, units in full, their count, the weight).
+UNITS = {"grpo": ("token", "tokens", "response tokens", "N", "w"),
+         "sft": ("label token", "label tokens", "label tokens", "N", "w"),
+         "dpo": ("pair", "pairs", "pairs", "P", "v")}
+
 LOG_FLOOR = 1e-18  # the bottom of the log-scale error axes: a value of 0 (or below) is drawn there
 NICE = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
 
@@ -59,17 +64,20 @@ class ImbalanceView:
     bar hides. ``ymax`` fixes the height axis (an explorer: frames stay comparable); without it the
     axis follows the data (one static figure).
     Right: each rank's share of the tokens next to its share of the update under both modes.
+    ``objective="sft"`` draws label tokens under the SFT weights, ``"dpo"`` one bar per preference
+    pair under the pair weights (``imbalance.layout_and_shares``), labelled in their units.
     """
 
     def __init__(self, fig: Figure, max_sequences: int = 128, max_ranks: int = 8, mode: str = "local",
-                 reference: str = "token", ymax: float | None = None):
-        self.mode, self.reference, self.ymax = mode, reference, ymax
+                 reference: str = "token", ymax: float | None = None, objective: str = "grpo"):
+        self.mode, self.reference, self.ymax, self.objective = mode, reference, ymax, objective
+        unit, units, in_full, count, w = UNITS[objective]
         self.ax_w, self.ax_s = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.3, 1]})
         ax = self.ax_w
         self.bars = list(ax.bar(np.zeros(max_sequences), np.zeros(max_sequences), width=0.0, align="edge",
                                 linewidth=0.8))
         self.line = ax.axhline(1.0, color=MODE_COLORS[reference], lw=1.8, ls="--",
-                               label=f"{reference}: every token weighs 1/N (w × N = 1)")
+                               label=f"{reference}: every {unit} weighs 1/{count} ({w} × {count} = 1)")
         self.rank_lines = ax.add_collection(LineCollection([], colors="black", linewidths=1.2,
                                                            transform=ax.get_xaxis_transform()), autolim=False)
         self.mb_lines = ax.add_collection(LineCollection([], colors="black", linewidths=0.8, linestyles=":",
@@ -78,9 +86,9 @@ class ImbalanceView:
         ax.set_xlim(-0.006, 1.0)
         if ymax is not None:
             ax.set_ylim(0, ymax)
-        ax.set_xlabel("share of the minibatch's response tokens (rank by rank, microbatch by microbatch)")
-        ax.set_ylabel("w × N: a token's weight in units of 1/N")
-        ax.set_title(f"{mode}: weight of each token (bar colour: rank; area: share of the update)",
+        ax.set_xlabel(f"share of the minibatch's {in_full} (rank by rank, microbatch by microbatch)")
+        ax.set_ylabel(f"{w} × {count}: a {unit}'s weight in units of 1/{count}")
+        ax.set_title(f"{mode}: weight of each {unit} (bar colour: rank; area: share of the update)",
                      loc="left", fontsize="medium")
         ax.legend(handles=[self.line], loc="lower right", bbox_to_anchor=(1.0, 1.07), frameon=False,
                   fontsize="small", borderaxespad=0)
@@ -89,7 +97,7 @@ class ImbalanceView:
         width = 0.8 / 3
         x = np.arange(max_ranks)
         self.share_bars = {
-            "tokens": list(ax.bar(x, np.zeros(max_ranks), width, color=TOKENS_COLOR, label="share of the tokens")),
+            "tokens": list(ax.bar(x, np.zeros(max_ranks), width, color=TOKENS_COLOR, label=f"share of the {units}")),
             mode: list(ax.bar(x + width, np.zeros(max_ranks), width, color=MODE_COLORS[mode],
                               label=f"share of the update: {mode}")),
             reference: list(ax.bar(x + 2 * width, np.zeros(max_ranks), width, color=MODE_COLORS[reference],
@@ -106,7 +114,7 @@ class ImbalanceView:
 
     def update(self, batch: ShardedBatch) -> dict:
         modes = (self.mode, self.reference)
-        both = {m: layout_and_shares(batch, m) for m in modes}
+        both = {m: layout_and_shares(batch, m, self.objective) for m in modes}
         layouts = {m: layout for m, (layout, _) in both.items()}
         shares = {m: share for m, (_, share) in both.items()}
         lay = layouts[self.mode]
@@ -137,7 +145,8 @@ class ImbalanceView:
         first_update = float((lay.weight[first] * lay.length[first]).sum())
         height = float(lay.weight[first].max(initial=0.0)) * n
         self.note.set_position((0.0, min(height + 0.03 * top, 0.9 * top)))
-        self.note.set_text(f"\u2199 rank 0's first microbatch: {first_tokens:.1%} of the tokens, "
+        units = UNITS[self.objective][1]
+        self.note.set_text(f"\u2199 rank 0's first microbatch: {first_tokens:.1%} of the {units}, "
                            f"{first_update:.1%} of the update")
 
         world_size = len(shares[self.mode].tokens)
@@ -156,9 +165,11 @@ class ImbalanceView:
                 "line": self.line, "share_bars": {k: bars[:world_size] for k, bars in self.share_bars.items()}}
 
 
-def imbalance_figure(fig: Figure, batch: ShardedBatch) -> dict:
-    """``ImbalanceView`` of one minibatch as a static figure (the seed example of notebook 01)."""
-    view = ImbalanceView(fig, max_sequences=len(batch.lengths), max_ranks=batch.world_size)
+def imbalance_figure(fig: Figure, batch: ShardedBatch, objective: str = "grpo", reference: str = "token") -> dict:
+    """``ImbalanceView`` of one minibatch as a static figure (notebook 01's seed example; 05's SFT and DPO:
+    ``objective="sft"``, or ``"dpo"`` with ``reference="pair"`` on a ``pairs_minibatch``)."""
+    view = ImbalanceView(fig, max_sequences=len(batch.lengths), max_ranks=batch.world_size, reference=reference,
+                         objective=objective)
     artists = view.update(batch)
     fig.tight_layout()
     return artists
