@@ -115,7 +115,7 @@ from gradnorm.trainer.guards import failures, launch, memory, preemption, prefli
 from gradnorm.trainer.policy import build_policy
 from gradnorm.trainer.record import record
 from gradnorm.trainer.rollout import generate_rollout
-from gradnorm.trainer.rundir import history, lock
+from gradnorm.trainer.rundir import history, lock, restart
 from gradnorm.trainer.rundir.runlog import RunLog
 
 
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, run_dir = launch.error_rank(), None
     try:  # every rank checks the same flags, files and environment, before any model exists
         rank, world_size = launch.launch_environment()
-        cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
+        cfg = restart.resolve(parse_config(argv, world_size, prog="gradnorm/train.py"), world_size)
         preflight.check_inputs(cfg)
         lock.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite, rank)
         ckpt_path = history.resume_point(cfg, world_size)
@@ -232,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # rank 0 alone writes output-dir
             run_dir = lock.RunDir(cfg.output_dir)
             run_dir.open(cfg.resume, cfg.overwrite)
+    except restart.Complete as done:  # --auto-resume of a finished run: a requeue has nothing to do
+        if rank == 0:
+            print(done, file=sys.stderr, flush=True)
+        return 0
     except ValueError as err:
         if run_dir is not None:
             run_dir.close(succeeded=False)

@@ -102,7 +102,7 @@ CONSTANT_DENOMINATOR = Range(1.0, 1e15)
 
 CHANGEABLE_ON_RESUME = ("steps", "save_every", "log_every", "plot", "timeout_s", "cpu_threads", "backend", "device",
                         "max_skipped_steps", "gradient_checkpointing", "output_dir", "grad_accum_steps", "shard",
-                        "resume", "overwrite", "parallel", "rollouts", "export_hf", "report_to")
+                        "resume", "auto_resume", "overwrite", "parallel", "rollouts", "export_hf", "report_to")
 """Flags a --resume may change (their docstrings say "Changeable on --resume"); every other flag
 defines the run. A change is applied for real and recorded in config.json's history."""
 
@@ -259,6 +259,11 @@ class TrainConfig:
     it), on any number of ranks and under either --parallel. The flags that define the run must
     equal those in its config.json; only the ones documented as changeable on --resume may differ,
     and each change is recorded in config.json's history."""
+    auto_resume: bool = False
+    """Start the run if output-dir holds none, continue it if it holds this run (the checks of
+    --resume), start it over if only its files from before a first checkpoint are there, and exit 0
+    if it is complete: one command line for the first start and every restart (torchrun
+    --max-restarts, a Slurm requeue). Changeable on --resume."""
     overwrite: bool = False
     """Start a fresh run in an output-dir that holds another run. Its files are moved to
     output-dir/previous_run/ and deleted once this run's first complete checkpoint exists (moved back if
@@ -370,6 +375,9 @@ class TrainConfig:
             raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --output-dir and --overwrite replaces it: give one of them")
+        if self.auto_resume and (self.resume or self.overwrite):
+            raise ValueError(f"--auto-resume decides by itself whether to start, resume or start over: drop "
+                             f"{'--resume' if self.resume else '--overwrite'}")
         if self.builtin and self.export_hf not in ("auto", "none"):
             raise ValueError("--export-hf needs a Hugging Face --model; the built-in tiny model is not one")
         if self.microbatch_tokens:

@@ -1,0 +1,64 @@
+"""``--auto-resume``: one command line for the first start and every restart of a run.
+
+An elastic restart (``torchrun --max-restarts``) or a Slurm requeue runs the same command again,
+so the command cannot say whether this is the first start. ``resolve`` reads the output directory
+and turns ``--auto-resume`` into what a person would have typed:
+
+    output-dir holds                                      the start becomes
+    nothing of a run                                      a fresh run
+    a complete checkpoint of this run                     --resume (its checks: the flags that define
+                                                          the run must equal config.json's)
+    this run's files from before its first checkpoint     --overwrite: started over, the leftovers set
+                                                          aside until the new first checkpoint
+    this run, complete at --steps                         nothing: ``Complete``, exit 0
+    another run, or files without a config.json           refused in one line
+
+Every rank takes the same decision before anything is written: it rests on whether a complete
+checkpoint exists, which no start changes (rank 0 may set leftovers aside, never a checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from gradnorm.trainer.checkpoint.store import latest_checkpoint
+from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.rundir.history import compare_resumed, read_config
+from gradnorm.trainer.rundir.lock import PREVIOUS, run_files
+
+
+class Complete(Exception):
+    """The run in output-dir already reached --steps: a restart has nothing to do (exit 0)."""
+
+
+def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
+    """``cfg`` with ``resume`` or ``overwrite`` set as the output directory requires (see the module).
+
+    Raises ``Complete`` for a finished run and a one-line ValueError for another run's directory.
+    """
+    if not cfg.auto_resume:
+        return cfg
+    out = Path(cfg.output_dir)
+    checkpoint = latest_checkpoint(out) if out.is_dir() else None
+    leftovers = (run_files(out) if out.is_dir() else []) + ([out / PREVIOUS] if (out / PREVIOUS).is_dir() else [])
+    if checkpoint is None and not leftovers:
+        return cfg  # the first start
+    old = read_config(out)
+    if old is None:
+        names = ", ".join(p.name for p in (leftovers or [checkpoint])[:3])
+        raise ValueError(f"--auto-resume: --output-dir {out} holds files of a run ({names}) but no config.json to "
+                         "tell whether it is this run: --resume to continue it anyway, --overwrite to replace it, or "
+                         "choose another --output-dir")
+    resumed = dataclasses.replace(cfg, resume=True)
+    try:  # a run that died before its first checkpoint restarts from scratch, so its W does not matter
+        compare_resumed(resumed, old, world_size if checkpoint is not None else None)
+    except ValueError as err:
+        raise ValueError(str(err).replace("--resume:", "--auto-resume:", 1)) from None
+    if checkpoint is None:
+        return dataclasses.replace(cfg, overwrite=True)
+    step = int(re.match(r"ckpt_step(\d+)", checkpoint.name).group(1))
+    if step >= cfg.steps:
+        raise Complete(f"--auto-resume: {out} is complete at step {step} (--steps {cfg.steps}): nothing to do")
+    return resumed
