@@ -45,7 +45,7 @@ from test_reliability import one_error_line
 from gradnorm import export
 from gradnorm.dist import state as dist_state
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
-from gradnorm.trainer.checkpoint import store
+from gradnorm.trainer.checkpoint import checksums, store
 
 
 class Payload:
@@ -94,6 +94,8 @@ def point_at(ckpt: Path, prefix: str, payload: bytes) -> None:
     with open(data, "ab") as f:
         f.write(payload)
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    for path in (data, ckpt / ".metadata"):  # whoever rewrites the files rewrites their sha256 too:
+        checksums.write(path)  # the unpickler's guard must hold without the checksums' help
 
 
 def read_slice(ckpt: Path, prefix: str) -> bytes:
