@@ -126,6 +126,10 @@ class TrainingError(RuntimeError):
 def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: RunState) -> None:
     """Build, then run the five steps of the module docstring for every optimizer step."""
     U = cfg.updates_per_rollout
+    try:  # every node's agent started its workers with its own command line: the same one?
+        launch.check_same_command(cfg)
+    except ValueError as err:
+        raise failures.InputError(str(err)) from None
     task, policy = build_policy(cfg, ctx.device, ctx.world_size, launch.local_ranks())
     model = policy.model
     # bf16 autocast around every forward pass (never the backward); log-softmax, loss weights and

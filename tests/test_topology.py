@@ -8,6 +8,8 @@ What must hold (slow; docs/scale.md states it as what was run):
   metrics.jsonl step once (only global rank 0 writes the run's records: a rank that took
   LOCAL_RANK 0 for the main one would write them twice); the requeue of the finished job, the
   same commands again, exits 0 with nothing to do;
+- ranks started with different flags (a node launched with another command line) all refuse in one
+  line, every node's log says so, nothing of a run is written; the same flags pass;
 - each worker reads its topology as a multi-node run needs: the device from LOCAL_RANK, never RANK
   (rank 1 on node 1 takes GPU 0), the ranks sharing its host's memory from LOCAL_WORLD_SIZE.
 """
@@ -83,7 +85,7 @@ def test_two_nodes_of_one_worker_train_as_one_node_of_two(tmp_path):
     assert json.loads((nodes / "config.json").read_text())["world_size"] == 2
     requeued = run_together(slurm_nodes("4242", *TINY, "--output-dir", str(nodes)))  # the job requeued at its end
     assert [node.returncode for node in requeued] == [0, 0]
-    assert "is complete at step 2 (--steps 2): nothing to do" in requeued[0].stdout
+    assert sum("is complete at step 2 (--steps 2): nothing to do" in node.stdout for node in requeued) == 1  # rank 0
     assert [m["step"] for m in metrics(nodes)] == [1, 2]
 
     assert [(p["rank"], p["node_rank"], p["local_rank"], p["local_world_size"]) for p in probes(seen_nodes)] == \
@@ -92,3 +94,43 @@ def test_two_nodes_of_one_worker_train_as_one_node_of_two(tmp_path):
     assert [p["sharing_host_memory"] for p in probes(seen_nodes)] == [1, 1]
     assert [(p["rank"], p["local_rank"], p["cuda_device"], p["sharing_host_memory"]) for p in probes(seen_one)] == \
         [(0, 0, 0, 2), (1, 1, 1, 2)]  # the control: on one node the two ranks take two GPUs and share RAM
+
+
+@pytest.mark.slow
+def test_a_node_started_with_other_flags_stops_both_nodes_with_one_line_each(tmp_path):
+    out = tmp_path / "run"
+    nodes = slurm_nodes("4343", *TINY, "--output-dir", str(out), "--timeout-s", "10")
+    nodes[1][0].extend(["--lr", "1e-3"])  # node 1's command line differs
+    for _, env in nodes:  # torchrun restarts on any failure, bad input too: each restart would say it again
+        env["MAX_RESTARTS"] = "0"
+    stopped = run_together(nodes, timeout=120)
+    assert [node.returncode for node in stopped] == [1, 1]  # torchrun's code for a failed worker, whatever its own
+    lines = []
+    for node in stopped:
+        errors = [line for line in node.stdout.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "the ranks were started with different flags" in errors[0], node.stdout[-3000:]
+        lines += errors
+    # The rendezvous, not --node-rank, decides which node holds rank 0: one line is rank 0's, the other rank 1's.
+    assert sorted(line.startswith("error: rank 1: ") for line in lines) == [False, True], lines
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("ckpt_step*"))  # nothing of a run written
+
+
+def _check_flags(ctx, lr_on_rank_1):
+    from gradnorm.trainer.config import parse_config
+    from gradnorm.trainer.guards import launch
+
+    flags = ["--lr", lr_on_rank_1] if ctx.rank == 1 else []
+    per_start = ["--resume"] if ctx.rank == 0 else []  # a per-start flag may differ: it never changes the run
+    try:
+        launch.check_same_command(parse_config([*flags, *per_start]))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_started_with_different_flags_all_refuse_and_the_same_flags_pass():
+    from gradnorm.dist.spawn import spawn_gloo
+
+    says = spawn_gloo(_check_flags, 2, "1e-3")
+    assert all(s and s.startswith("the ranks were started with different flags") for s in says), says
+    assert spawn_gloo(_check_flags, 2, "5e-4") == [None, None]  # the control: --lr's default on both

@@ -7,6 +7,7 @@ torchrun prints its own report of the failed workers after our line."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -36,11 +37,13 @@ def report_error(message: str, rank: int) -> None:
     as one worker exits: a rank that exited first could get rank 0 killed before it printed. So
     rank 0 prints and exits at once, and the others wait up to GRACE_S, with SIGTERM's default
     action restored so that torchrun's stop ends the wait, and print only if nobody stopped them:
-    an error that rank 0 did not find, prefixed with their rank.
+    an error that rank 0 did not find, prefixed with their rank. On several nodes the first rank
+    of each node (LOCAL_RANK 0) prints at once too, so every node's log says why it stopped.
     """
     if rank != 0:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(GRACE_S)
+        if os.environ.get("LOCAL_RANK") != "0":  # not the first rank of its node
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(GRACE_S)
         message = f"rank {rank}: {message}"
     print(f"error: {message}", file=sys.stderr, flush=True)
 

@@ -1,5 +1,5 @@
 """Who this process is in the job: torchrun's (or srun's) variables checked whole, its rank, the
-ranks that share its host, and the device it trains on.
+ranks that share its host, the device it trains on, and that every rank got the same flags.
 
 A stale shell exports some of torchrun's variables; each check says so in one line before any
 process group is joined.
@@ -7,6 +7,8 @@ process group is joined.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import torch
@@ -75,3 +77,29 @@ def local_ranks(environ=os.environ) -> int:
         raise ValueError(f"LOCAL_WORLD_SIZE={value}: expected the number of processes of this job on this host (an "
                          "integer >= 1); launch with torchrun, which sets it")
     return int(value)
+
+
+PER_START = ("resume", "overwrite")
+"""Flags ``--auto-resume`` may set differently on ranks that looked at the directory at different moments
+of its start (rank 0 may already have set a dead run's leftovers aside); they never change the run."""
+
+
+def flags_digest(cfg: TrainConfig) -> int:
+    """A 56-bit digest of every flag but ``PER_START``: equal on every rank of one command line."""
+    flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_START}
+    return int.from_bytes(hashlib.sha256(json.dumps(flags, sort_keys=True, default=str).encode()).digest()[:7], "big")
+
+
+def check_same_command(cfg: TrainConfig) -> None:
+    """A one-line ValueError on every rank when the ranks were started with different flags.
+
+    Each node's agent starts its workers with its own command line, so a node launched with another
+    --lr or --steps would train a different run in the same process group. Two all-reduces of one
+    number (the digest's max and min), whatever W; they are equal exactly when every rank's is.
+    """
+    digest = flags_digest(cfg)
+    high = int(comm.all_reduce_max(torch.tensor([digest], dtype=torch.int64))[0])
+    low = -int(comm.all_reduce_max(torch.tensor([-digest], dtype=torch.int64))[0])
+    if high != low:
+        raise ValueError("the ranks were started with different flags (their digests differ; this rank's: "
+                         f"{digest:014x}): start every node with the same command line")
