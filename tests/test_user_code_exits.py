@@ -6,8 +6,11 @@ call) and the loss of the audit (gradnorm.audit.measurement, at import and at ev
 user code, both loaded by gradnorm.cli.usercode; each case below is what a careless function does.
 """
 
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -73,3 +76,33 @@ def test_an_audited_loss_that_exits_or_interrupts_is_exit_2_and_one_line(source,
     out, err = capsys.readouterr()
     assert code == 2 and out == "", (code, out, err)
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and says in err, err
+
+
+SLOW_LOSS = '''
+import pathlib, time
+
+def waits(logp, old_logp, advantages, mask):
+    pathlib.Path(__file__).with_name("started").touch()  # the marker: the audit is inside the loss
+    time.sleep(60)
+    return logp.sum()
+'''
+
+
+def test_a_real_ctrl_c_during_the_audit_is_exit_130_and_one_line(tmp_path):
+    """A SIGINT while the loss runs is the user stopping the command (130), not the loss failing (2: the
+    control above, a loss that raises KeyboardInterrupt itself)."""
+    (tmp_path / "slow.py").write_text(SLOW_LOSS)
+    proc = subprocess.Popen([sys.executable, "-m", "gradnorm.audit", f"{tmp_path / 'slow.py'}:waits"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip() == "error: interrupted (Ctrl-C): no report" and out == ""

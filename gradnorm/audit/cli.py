@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -188,8 +189,37 @@ def _splits(args) -> Splits:
                   (args.pipeline_microbatches or 2) if args.pipeline_combine else None)
 
 
+INTERRUPTED = 130
+"""Exit status after a real Ctrl-C (128 + SIGINT), as for the trainer."""
+
+
+class _CtrlC(BaseException):
+    """A real Ctrl-C. Not a KeyboardInterrupt, so that the user-code guard (which reports a
+    KeyboardInterrupt the loss raises itself as the loss's failure, exit 2) lets it through."""
+
+
+def _on_ctrl_c(signum, frame):
+    raise _CtrlC
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command: print the table and the verdict; exit 0 invariant, 1 skewed, leaking or wrong-signed, 2 error."""
+    """The command: print the table and the verdict; exit 0 invariant, 1 skewed, leaking or wrong-signed, 2 error,
+    130 on Ctrl-C."""
+    try:
+        previous = signal.signal(signal.SIGINT, _on_ctrl_c)
+    except ValueError:  # not the main thread: leave Ctrl-C as it is
+        previous = None
+    try:
+        return _run(argv)
+    except _CtrlC:
+        print("error: interrupted (Ctrl-C): no report", file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     try:
         args = _parser().parse_args(argv)
         unit = 2 if args.objective == "dpo" else 1  # a pair is two rows
