@@ -229,6 +229,9 @@ def _run(argv: Sequence[str] | None) -> int:
         if cells > MAX_CELLS:  # the least common multiple of the layouts sets the minibatch: it grows fast
             raise ContractError(f"--world-size x --accum-steps x --group-size x --max-new-tokens ask for a minibatch of "
                                 f"{cells} tokens (more than {MAX_CELLS}); audit fewer or smaller layouts")
+        if args.pack and max(sizes) * args.pack > MAX_CELLS:  # every microbatch gets rows of --pack positions
+            raise ContractError(f"--pack {args.pack} gives each of up to {max(sizes)} microbatches rows of {args.pack} "
+                                f"positions, more than {MAX_CELLS} in all; pack into shorter rows")
         splits = _splits(args)
         convention = Convention(args.scale_by_accum, args.reduction, args.cp_reduction or "mean",
                                 args.pipeline_combine or "sum")
