@@ -6,8 +6,9 @@ What must hold (gradnorm/trainer/rundir/restart.py):
   nothing; this run's files from before its first checkpoint are started over; another run (a
   flag that defines it differs), files without a config.json, and --auto-resume with --resume or
   --overwrite are each one ``error:`` line, exit 2, nothing written;
-- under ``torchrun --max-restarts 2`` (slow): a worker SIGKILLed once the run has a checkpoint,
-  the group restarts, the run continues from its latest checkpoint by itself and its
+- under ``torchrun --max-restarts 2`` (slow): rank 1 SIGKILLed inside a checkpoint's write, then
+  again once that checkpoint exists; each time the group restarts and meets afresh, the run
+  continues from its latest complete checkpoint by itself (the torn one ignored), and its
   metrics.jsonl equals an uninterrupted run's (every step once, rows equal but for timings).
 """
 
@@ -103,8 +104,28 @@ def test_a_run_without_config_json_is_not_taken_for_this_one(tmp_path, capsys):
 ELASTIC = ["--steps", "12", "--save-every", "4", "--timeout-s", "10"]
 
 
+def rank_1_worker(psutil, agent_pid: int, not_pid: int | None = None):
+    """The live worker with RANK=1 under the torchrun agent (a new one after a restart: not ``not_pid``)."""
+    for proc in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if "gradnorm/train.py" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == "1" \
+                    and proc.pid != not_pid:
+                return proc
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def wait_for(path: Path, job, deadline: float, poll_s: float = 0.001) -> None:
+    while not path.exists():
+        assert job.poll() is None and time.monotonic() < deadline, f"the run ended before {path.name} appeared"
+        time.sleep(poll_s)
+
+
 @pytest.mark.slow
 def test_an_elastic_restart_after_a_sigkill_continues_the_run_by_itself(tmp_path):
+    """Two kills of rank 1, each at a marker the run writes: once inside the write of ckpt_step8 (its
+    shard is on disk, the checkpoint not yet published), then once ckpt_step8 exists."""
     psutil = pytest.importorskip("psutil")
     restarted, full = tmp_path / "restarted", tmp_path / "full"
     command = torchrun_command(2, *TINY, "--output-dir", str(restarted), *ELASTIC, "--auto-resume")
@@ -115,13 +136,15 @@ def test_an_elastic_restart_after_a_sigkill_continues_the_run_by_itself(tmp_path
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (restarted / "ckpt_step8").exists():  # the marker: the run's second checkpoint
-            assert job.poll() is None and time.monotonic() < deadline, "the run ended before its 2nd checkpoint"
+        wait_for(restarted / ".ckpt_step8.tmp" / "__1_0.distcp", job, deadline)  # rank 1 is writing its part
+        first = rank_1_worker(psutil, job.pid)
+        os.kill(first.pid, signal.SIGKILL)
+        torn = not (restarted / "ckpt_step8").exists()  # the kill landed before the checkpoint was published
+        wait_for(restarted / "ckpt_step8", job, deadline, poll_s=0.02)  # written again after the restart
+        while (second := rank_1_worker(psutil, job.pid, not_pid=first.pid)) is None:
+            assert job.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
-        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
-                   if "gradnorm/train.py" in " ".join(p.cmdline())]
-        victim = next(p for p in workers if p.environ().get("RANK") == "1")
-        os.kill(victim.pid, signal.SIGKILL)
+        os.kill(second.pid, signal.SIGKILL)
         output, _ = job.communicate(timeout=180)
         reference_output, _ = reference.communicate(timeout=180)
     finally:
@@ -129,11 +152,16 @@ def test_an_elastic_restart_after_a_sigkill_continues_the_run_by_itself(tmp_path
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    assert torn, "the first kill came after ckpt_step8 was published: it did not test a kill mid-write"
     assert reference.returncode == 0, reference_output[-3000:]
-    assert job.returncode == 0, output[-3000:]  # torchrun restarted the group and the run finished
-    assert "died or left the process group" in output  # rank 0's line about the SIGKILL
+    assert job.returncode == 0, output[-3000:]  # torchrun restarted the group twice and the run finished
+    assert "could not join the process group" not in output  # a restarted group meets afresh
+    assert output.count("died or left the process group") == 2  # rank 0's line about each SIGKILL
+    assert f"resumed from {restarted / 'ckpt_step4'} at step 4" in output  # the torn ckpt_step8 was not used
+    assert f"resumed from {restarted / 'ckpt_step8'} at step 8" in output
+    assert not list(restarted.glob(".ckpt_step*.tmp"))
     steps = [m["step"] for m in metrics(restarted)]
-    assert steps == list(range(1, 13)), steps  # every step once: the steps after ckpt_step8 were cut
+    assert steps == list(range(1, 13)), steps  # every step once: the steps after each checkpoint were cut
     assert comparable(restarted) == comparable(full)
     history = json.loads((restarted / "config.json").read_text())["history"]
-    assert [h.get("changed") for h in history] == [None, {}]  # one fresh start, one resume that changed no flag
+    assert [h.get("changed") for h in history] == [None, {}, {}]  # one start, two resumes that changed no flag

@@ -80,15 +80,30 @@ def setup(backend: str | None = None, device: str | None = None, timeout_s: floa
     backend = backend or default_backend(dev.type)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     global _store
-    try:  # a client of the rendezvous store (torchrun's agent holds it): where a failing rank leaves its error
-        _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                               timeout=datetime.timedelta(seconds=min(timeout_s, 30)))
-    except (RuntimeError, ValueError, KeyError):
-        _store = None
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _rendezvous_store(rank, world_size, timeout)
+        # Every key of this start under its own prefix: after torchrun restarts the group, the store
+        # still held the dead group's gloo addresses, and a restarted rank sometimes read one and
+        # failed to connect ("Connection refused" at the old peer's port), ending the elastic run.
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gradnorm/attempt_{_attempt()}", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+        _store = store  # where a failing rank leaves its error for the others (``post_error``)
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
+
+
+def _attempt() -> str:
+    """Which start of the group this is: torchrun counts its restarts (0 for the first start)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The job's TCPStore at MASTER_ADDR:MASTER_PORT: torchrun's agent hosts it (every rank a client), or,
+    launched without an agent (srun), rank 0 does."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=not agent and rank == 0, timeout=timeout, multi_tenant=not agent)
 
 
 def teardown() -> None:
@@ -108,14 +123,18 @@ def teardown() -> None:
 # reports the failing rank's message instead of its own traceback.
 
 _store = None
-ERROR_KEY = "gradnorm/error/{rank}"
+ERROR_KEY = "gradnorm/error/{attempt}/{rank}"  # per restart of the group: never an earlier attempt's error
+
+
+def _error_key(rank: int) -> str:
+    return ERROR_KEY.format(attempt=_attempt(), rank=rank)
 
 
 def post_error(message: str) -> None:
     """Leave this rank's error for the others, then leave the process group (gloo: the peers' wait ends now)."""
     if _store is not None and _active():
         try:
-            _store.set(ERROR_KEY.format(rank=dist.get_rank()), message)
+            _store.set(_error_key(dist.get_rank()), message)
         except RuntimeError:  # the store is gone with rank 0 or the agent: nobody left to tell
             pass
     if _active() and dist.get_backend() == "gloo":  # NCCL's destroy can block on a peer; its timeout ends the wait
@@ -126,7 +145,7 @@ def posted_errors(world_size: int) -> dict[int, str]:
     """{rank: message} of the ranks that failed and said so (``post_error``); {} without a store."""
     found = {}
     for rank in range(world_size):
-        key = ERROR_KEY.format(rank=rank)
+        key = _error_key(rank)
         try:
             if _store is not None and _store.check([key]):
                 found[rank] = _store.get(key).decode(errors="replace")
