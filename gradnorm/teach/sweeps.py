@@ -202,6 +202,12 @@ def packed_pairs(
     return tuple(lengths), plan
 
 
+def _longest_pair_response(pair_ratios: Sequence[float], pairs_per_microbatch: int, short_length: int) -> int:
+    """The longest response ``packed_pairs`` makes over ``pair_ratios``: one problem size fits them all."""
+    return max(round(short_length * pairs_per_microbatch / max(1, round(pairs_per_microbatch / k)))
+               for k in pair_ratios)
+
+
 def dpo_sweep(
     pair_ratios: Sequence[float], world_size: int = 2, accum_steps: int = 2, pairs_per_microbatch: int = 8,
     short_length: int = 6, seed: int = 0,
@@ -215,8 +221,7 @@ def dpo_sweep(
     rel = {m: [] for m in DPO_MODES}
     cos = {m: [] for m in DPO_MODES}
     pairs_per_mb = []
-    max_len = max(round(short_length * pairs_per_microbatch / max(1, round(pairs_per_microbatch / k)))
-                  for k in pair_ratios)
+    max_len = _longest_pair_response(pair_ratios, pairs_per_microbatch, short_length)
     for k in pair_ratios:
         lengths, plan = packed_pairs(k, world_size, accum_steps, pairs_per_microbatch, short_length)
         pairs_per_mb.append([[len(mb) for mb in rank] for rank in plan])
@@ -266,8 +271,7 @@ def long_pairs(
     short_length: int = 6, seed: int = 0,
 ) -> LongPairs:
     """``LongPairs`` for ``packed_pairs`` at each pair ratio, on the policy and pairs ``dpo_sweep`` uses."""
-    max_len = max(round(short_length * pairs_per_microbatch / max(1, round(pairs_per_microbatch / k)))
-                  for k in pair_ratios)
+    max_len = _longest_pair_response(pair_ratios, pairs_per_microbatch, short_length)
     rows = []
     for k in pair_ratios:
         lengths, plan = packed_pairs(k, world_size, accum_steps, pairs_per_microbatch, short_length)

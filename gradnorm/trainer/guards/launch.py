@@ -94,12 +94,12 @@ def check_same_command(cfg: TrainConfig) -> None:
     """A one-line ValueError on every rank when the ranks were started with different flags.
 
     Each node's agent starts its workers with its own command line, so a node launched with another
-    --lr or --steps would train a different run in the same process group. Two all-reduces of one
-    number (the digest's max and min), whatever W; they are equal exactly when every rank's is.
+    --lr or --steps would train a different run in the same process group. One all-reduce of two
+    numbers (the digest's max, and its min as the max of its negation), whatever W; they are equal
+    exactly when every rank's digest is.
     """
     digest = flags_digest(cfg)
-    high = int(comm.all_reduce_max(torch.tensor([digest], dtype=torch.int64))[0])
-    low = -int(comm.all_reduce_max(torch.tensor([-digest], dtype=torch.int64))[0])
-    if high != low:
+    high, negated_low = comm.all_reduce_max(torch.tensor([digest, -digest], dtype=torch.int64)).tolist()
+    if high != -negated_low:
         raise ValueError("the ranks were started with different flags (their digests differ; this rank's: "
                          f"{digest:014x}): start every node with the same command line")
