@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradnorm.teach import study as st
 from gradnorm.teach.study import bootstrap_ci, paired_difference, steps_to_threshold
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -69,3 +70,58 @@ def test_study_cells_cover_the_modes_shardings_and_a_clip_off_column():
         assert any(c["shard"] == "balanced" for c in here)
     assert any(not c["clip"] for c in cells)
     assert study.denominator_flag("constant", 128, 20) == "2560" and study.denominator_flag("group", 128, 20) == "group"
+
+
+def _tiny_study():
+    flags = ["--task", "bimodal", "--loss-denominator", "local", "--shard", "length", "--grad-accum-steps", "4",
+             "--steps", "60", "--prompts-per-step", "8", "--max-new-tokens", "20", "--seed", "0", "--no-plot",
+             "--log-every", "60"]
+    runs = [{"flags": flags, "seed": s, "reward_curve": [0.1 * s] * 12, "length_curve": [10.0, 14.0]} for s in range(5)]
+    iv = {"mean": 0.1, "lo": 0.02, "hi": 0.2}
+    return {"meta": {"seeds": list(range(5))}, "tasks": ["bimodal"],
+            "cells": [{"task": "bimodal", "mode": "local", "shard": "length", "clip": True, "runs": runs}],
+            "comparisons": [{"task": "bimodal", "cell": "bimodal/local/length", "against": "bimodal/token/length",
+                             "seeds": [0, 1], "final_reward": iv, "steps_to_threshold": {"mean": -2.0, "lo": -4.0, "hi": -1.0},
+                             "eval_reward_13-16": {"mean": 0.0, "lo": -0.1, "hi": 0.1}}]}
+
+
+def test_resolved_differences_keep_either_direction_and_list_the_rest():
+    yes, no = st.resolved_differences(_tiny_study())
+    assert [(r[2], r[3].mean) for r in yes] == [("final_reward", 0.1), ("steps_to_threshold", -2.0)]
+    assert [r[2] for r in no] == ["eval_reward_13-16"]
+
+
+def test_band_exits_count_a_held_out_seed_outside_the_others_range():
+    curves = np.array([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])  # the two extremes leave, the middle two do not
+    assert st.band_exits(curves) == {"any": 0.5, "steps": 0.5}
+    crossing = np.array([[0.0, 1.0], [1.0, 0.0], [0.5, 0.5]])  # each extreme at one step
+    assert st.band_exits(crossing)["any"] == 2 / 3 and st.band_exits(crossing, steps=1)["steps"] == 2 / 3
+    assert st.study_band_exits(_tiny_study(), window=3)["any"] == 0.4  # seeds 0 and 4 of 5
+
+
+def test_mean_n_over_c_is_mean_length_over_max_new_tokens():
+    assert st.mean_n_over_c(_tiny_study()["cells"][0]["runs"], 20) == 0.6
+
+
+def test_live_settings_take_the_study_flags_and_name_what_differs():
+    s = st.live_settings(_tiny_study(), "bimodal", "local", "length", seed=5, steps=40, prompts=8)
+    kw = s["kwargs"]
+    assert kw["loss_denominator"] == "local" and kw["grad_accum_steps"] == 4 and kw["steps"] == 40 and kw["seed"] == 5
+    assert kw["extra_args"] == ["--task", "bimodal", "--prompts-per-step", "8", "--max-new-tokens", "20", "--no-plot",
+                                "--log-every", "40"]
+    assert s["differs"] == [("--steps", "60", "40"), ("--seed", "0", "5"), ("--log-every", "60", "40")]
+    study = _tiny_study()
+    study["cells"][0]["mode"] = "token"  # a number C the study did not run takes token's flags
+    number = st.live_settings(study, "bimodal", "640", "length", seed=0, steps=60, prompts=8)
+    assert number["kwargs"]["loss_denominator"] == "640" and number["differs"][0] == ("--loss-denominator", "local", "640")
+
+
+def test_effect_grid_draws_one_forest_per_measure_and_task():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 1, squeeze=False)
+    st.plot_effect_grid(axes, _tiny_study(), ["final_reward", "eval_reward_1-4"])
+    assert [t.get_text() for t in axes[0][0].get_yticklabels()] == ["local/length - token/length"]
+    assert not axes[1][0].axison  # the measure is not in the study
+    plt.close(fig)

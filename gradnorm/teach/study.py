@@ -181,3 +181,111 @@ def cell_summary(study: dict, task: str, mode: str, shard: str = "length", clip:
         if (cell["task"], cell["mode"], cell["shard"], cell["clip"]) == (task, mode, shard, clip):
             return cell["summary"]
     raise KeyError(f"no cell {task}, {mode}, {shard}, clip={clip} in the study")
+
+
+# ------------------------------------------------------------------ every difference, the band, the live run
+
+
+def differences(study: dict) -> list[tuple[str, str, str, Interval]]:
+    """Every paired difference the study recorded: (cell, reference, measure, interval), for every
+    comparison and every measure in it (steps to threshold, final reward, each eval bucket)."""
+    out = []
+    for c in study["comparisons"]:
+        for key, iv in c.items():
+            if isinstance(iv, dict) and set(iv) == {"mean", "lo", "hi"}:
+                out.append((c["cell"], c["against"], key, Interval(**iv)))
+    return out
+
+
+def resolved_differences(study: dict) -> tuple[list[tuple[str, str, str, Interval]], list[tuple[str, str, str, Interval]]]:
+    """``differences`` split into those whose interval excludes zero (either direction) and the rest."""
+    rows = differences(study)
+    return [r for r in rows if r[3].excludes_zero()], [r for r in rows if not r[3].excludes_zero()]
+
+
+def plot_effect_grid(axes, study: dict, keys: Sequence[str]) -> None:
+    """Small multiples of ``plot_effects``: one row per measure in ``keys``, one column per task
+    (``axes`` of shape (len(keys), tasks)); a measure a task lacks leaves its Axes off."""
+    for row, key in enumerate(keys):
+        for col, task in enumerate(study["tasks"]):
+            ax = axes[row][col]
+            if not any(c["task"] == task and key in c for c in study["comparisons"]):
+                ax.set_axis_off()
+                continue
+            plot_effects(ax, study, task, key)
+            ax.set_title(f"{task}: {key.replace('_', ' ')}, minus token")
+
+
+def band_exits(curves: np.ndarray, steps: int | None = None) -> dict:
+    """Leave one seed out: how often it leaves the range (min to max) of the other seeds.
+
+    ``curves`` is (seeds, steps). Returns ``any``: the fraction of seeds that lie outside the
+    others' range at some step (of the first ``steps``), and ``steps``: the mean fraction of steps
+    they lie outside it."""
+    x = np.asarray(curves, dtype=float)[:, :steps]
+    if x.ndim != 2 or len(x) < 3:
+        raise ValueError(f"band_exits needs (seeds >= 3, steps) curves, got shape {x.shape}")
+    outside = []
+    for i in range(len(x)):
+        rest = np.delete(x, i, axis=0)
+        outside.append((x[i] < rest.min(0)) | (x[i] > rest.max(0)))
+    outside = np.array(outside)
+    return {"any": float(outside.any(1).mean()), "steps": float(outside.mean())}
+
+
+def study_band_exits(study: dict, window: int = 10, steps: int | None = None) -> dict:
+    """``band_exits`` of the trailing reward, over every cell of the study: the fraction of
+    (cell, held-out seed) pairs that leave the other seeds' band at some step, the mean fraction of
+    steps outside it, and the number of seeds in each band (one fewer than the study's)."""
+    anys, fracs = [], []
+    for c in study["cells"]:
+        curves = np.array([moving_average(r["reward_curve"], window) for r in c["runs"]])
+        e = band_exits(curves, steps)
+        anys.append(e["any"])
+        fracs.append(e["steps"])
+    return {"any": float(np.mean(anys)), "steps": float(np.mean(fracs)), "band_seeds": len(study["meta"]["seeds"]) - 1}
+
+
+def mean_n_over_c(runs: Sequence[dict], max_new_tokens: int) -> float:
+    """The mean over runs and steps of N / C for Dr GRPO's C = S x max-new-tokens: the minibatch's
+    response tokens N = S x the logged mean response length, so N / C = mean length / max-new-tokens.
+    Under the constant a step's update is ``token``'s scaled by this factor (before clipping)."""
+    return float(np.mean([np.mean(r["length_curve"]) for r in runs]) / max_new_tokens)
+
+
+def flag_value(flags: Sequence[str], name: str) -> str:
+    return flags[list(flags).index(name) + 1]
+
+
+LAUNCH_FLAGS = ("--loss-denominator", "--shard", "--grad-accum-steps", "--steps", "--seed")
+"""Flags ``gradnorm.teach.launch.train_run`` sets from its own arguments."""
+
+
+def live_settings(study: dict, task: str, mode: str, shard: str, seed: int, steps: int, prompts: int) -> dict:
+    """The keyword arguments of ``train_run`` for one run with the flags of the study's cell
+    (``task``, ``mode``, ``shard``, clipping on), except the seed, the number of steps and the prompts
+    per step, and the list of those differences (flag, study's value, this run's). A mode the study
+    did not run (a number C) takes the flags of ``token`` under ``shard`` with its own denominator."""
+    key = mode if mode in {c["mode"] for c in study["cells"]} else "token"
+    try:
+        flags = list(cell_runs(study, task, key, shard)[0]["flags"])
+    except KeyError:
+        flags = list(cell_runs(study, task, key, "length")[0]["flags"])
+    denominator = flag_value(flags, "--loss-denominator") if key == mode else str(mode)
+    ours = {"--loss-denominator": denominator, "--shard": shard, "--steps": str(steps), "--seed": str(seed),
+            "--prompts-per-step": str(prompts), "--log-every": str(steps)}
+    differ = [(name, flag_value(flags, name), value) for name, value in ours.items() if flag_value(flags, name) != value]
+    for name, value in ours.items():
+        flags[flags.index(name) + 1] = value
+    extra = []
+    i = 0
+    while i < len(flags):
+        if flags[i] in LAUNCH_FLAGS:
+            i += 2
+            continue
+        extra.append(flags[i])
+        i += 1
+    return {"kwargs": dict(loss_denominator=denominator, shard=shard, steps=steps, seed=seed,
+                           grad_accum_steps=int(flag_value(flags, "--grad-accum-steps")), nproc_per_node=1,
+                           extra_args=extra),
+            "differs": differ}
