@@ -10,7 +10,11 @@ Statistics (pure numpy, no training):
 
 Figures draw on a given matplotlib Axes: ``plot_reward_curves`` (mean over seeds of the trailing
 reward per step), ``plot_bucket_rewards`` (the final policy's reward per target-length bucket,
-with intervals) and ``plot_effects`` (each cell minus ``token``, paired by seed, with intervals).
+with intervals), ``plot_effects`` (each cell minus ``token``, paired by seed, with intervals) and
+``plot_effect_grid`` (one ``plot_effects`` per measure and task). Readings of the results:
+``resolved_differences`` (every difference whose interval excludes zero, either direction),
+``study_band_exits`` (how often a held-out seed leaves the other seeds' band), ``mean_n_over_c``
+(the constant's step scale) and ``live_settings`` (a new run with a cell's own flags).
 Colours are the palette's: a mode a colour, a sharding a line style. Nothing here starts a process.
 """
 
