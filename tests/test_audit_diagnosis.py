@@ -23,7 +23,7 @@ import pytest
 import torch
 from audit_command import run, verdict_of  # tests/audit_command.py
 
-from gradnorm.audit import contract, conventions, decide
+from gradnorm.audit import contract, conventions, decide, verdict
 from gradnorm.audit.cli import main
 from gradnorm.core.sharding import SHARD_KINDS
 
@@ -221,7 +221,7 @@ def test_a_loss_skewed_only_by_unequal_sequence_counts_is_told_so(capsys):
     report = decide.audit(sequence_mean_per_microbatch, (8,), (4,))
     assert report.skewed_only_by_unequal_counts and report.equals_at_equal_counts == "sequence"
     assert f"{EQUAL}, where it equals gradnorm's `sequence`" in line
-    assert f"skewed by up to {report.change:.1%} when they do not (under " in line
+    assert f"skewed by up to {verdict.percent(report.change)} when they do not (under " in line
     assert "--sharding interleave contiguous length" in line
     # The catalogue's mean of sequence means prints the same line, as docs/audit.md pastes it.
     _, out, _ = run(capsys, "gradnorm.audit.conventions:microbatch_mean_of_sequence_means", "--world-size", "8",
@@ -245,3 +245,8 @@ def test_help_says_what_every_sharding_does(capsys):
         assert f"{kind}: " in text, kind
     balanced = text.split("balanced: ", 1)[1]
     assert "longest" in balanced and "different numbers of sequences" in balanced and "rank 0" in balanced
+
+
+def test_percent_never_reads_zero_for_a_nonzero_change():
+    assert verdict.percent(0.0) == "0.0%" and verdict.percent(0.123) == "12.3%"
+    assert verdict.percent(3e-5) == "0.003%" and verdict.percent(3.14e-10) == "3.1e-08%"

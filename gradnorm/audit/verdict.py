@@ -93,6 +93,13 @@ def explain_factor(near: Near, convention: Convention, tol: float, subject: str 
     return text
 
 
+def percent(x: float) -> str:
+    """A share as a percentage that never reads 0.0% when it is not zero: 0.3%, 0.0031%, 3e-08%."""
+    if x == 0 or abs(x) >= 0.0005:
+        return f"{x:.1%}"
+    return f"{100 * x:.2g}%"
+
+
 def _equal_counts_clause(report: Report) -> str:
     """Invariant on fixed-size microbatches, skewed only where sequence counts differ: say so, and how to narrow."""
     even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts and not r.axes))
@@ -102,7 +109,7 @@ def _equal_counts_clause(report: Report) -> str:
     where = f", where it equals {like}" if mode else ""
     unit = "pairs" if report.objective.unit == "pair" else "sequences"
     return (f"invariant whenever every microbatch holds the same number of {unit}{where}; skewed by up to "
-            f"{max(r.change for r in uneven):.1%} when they do not (under "
+            f"{percent(max(r.change for r in uneven))} when they do not (under "
             f"{', '.join(dict.fromkeys(r.label for r in uneven))})"
             + (f"; if your trainer's microbatches hold a fixed number of {unit}, audit with --sharding "
                f"{' '.join(even)}" if even else ""))
@@ -134,7 +141,7 @@ def verdict(report: Report) -> str:
         loud = loudness_clause(worst)
         whole = verdict(replace(report, terms={}))
         return f"{lead}: {loud or verdict(worst)}; the loss's total reads {whole}"
-    change = f"a token's weight changes by up to {report.change:.1%} across configurations"
+    change = f"a token's weight changes by up to {percent(report.change)} across configurations"
     if report.wrong_sign:
         parts = [f"WRONG SIGN: {report.objective.wrong_sign} ({report.negative:.1%} of the weight inside the mask "
                  "is negative)",
