@@ -1,0 +1,128 @@
+"""Rollouts through vLLM's CPU build (gradnorm.models.vllm_engine): weight sync, per-sequence seeds, checks.
+
+The engine tests skip when vllm cannot be imported (``pip install -e '.[vllm]'``), and fail
+instead under GRADNORM_REQUIRE_VLLM=1, for an environment that installed the extra on purpose.
+The head-size check needs no vllm and always runs. One engine serves the whole module (a start
+is seconds).
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from gradnorm.models import hf, vllm_engine  # noqa: E402
+from gradnorm.trainer.guards.failures import InputError  # noqa: E402
+from gradnorm.trainer.rollout import response_mask  # noqa: E402
+from tiny_models import build_tiny_qwen2  # noqa: E402  (examples/, on the path via conftest)
+
+# head_dim 64 (hidden 128, 2 heads): a size vLLM's CPU attention takes; the default tiny one has 8
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2)
+P_LEN, R_LEN = 6, 12
+
+
+def need_vllm():
+    try:
+        import vllm  # noqa: F401
+    except Exception as err:
+        reason = f"vllm is not importable ({type(err).__name__}: {err}); pip install -e '.[vllm]'"
+        if os.environ.get("GRADNORM_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{reason}; GRADNORM_REQUIRE_VLLM=1, so this is a failure, not a skip", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    need_vllm()
+    path = build_tiny_qwen2(tmp_path_factory.mktemp("qwen2-hd64"), seed=0, **SHAPE)
+    tok = hf.load_tokenizer(str(path))
+    model = hf.load_causal_lm(str(path), tok.pad_token_id, device=torch.device("cpu")).eval()
+    engine = vllm_engine.VLLMEngine(str(path), max_model_len=P_LEN + R_LEN, seed=0)
+    return path, tok, model, engine
+
+
+def prompts_of(n):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(4, 60, (n, P_LEN), generator=g)
+
+
+def sample(engine, tok, prompts, seeds):
+    return engine.sample(prompts.tolist(), R_LEN, temperature=1.0, seeds=seeds,
+                         eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+
+
+def trainer_logp(model, tok, prompts, out):
+    tokens = torch.cat([prompts, out.tokens], dim=1)
+    logp, _ = hf.response_logprobs(model, tokens, P_LEN, pad_id=tok.pad_token_id)
+    return logp, response_mask(out.tokens, tok.eos_token_id)
+
+
+@torch.no_grad()
+def test_synced_engine_scores_like_the_trainer(setup):
+    _, tok, model, engine = setup
+    prompts = prompts_of(4)
+    seeds = [vllm_engine.sequence_seed(0, 1, i) for i in range(4)]
+    torch.manual_seed(2)
+    for p in model.parameters():  # new weights the engine has not seen
+        p.add_(0.05 * torch.randn_like(p))
+    engine.sync(model)
+    out = sample(engine, tok, prompts, seeds)
+    logp, mask = trainer_logp(model, tok, prompts, out)
+    assert mask.sum() > 0
+    diff = (logp - out.logprobs).abs()[mask]
+    assert float(diff.max()) < 1e-4, float(diff.max())
+
+    # the control: change the trainer's weights again without a sync, and the two disagree
+    for p in model.parameters():
+        p.add_(0.05 * torch.randn_like(p))
+    stale = sample(engine, tok, prompts, seeds)
+    logp, mask = trainer_logp(model, tok, prompts, stale)
+    assert float((logp - stale.logprobs).abs()[mask].max()) > 1e-2
+    engine.sync(model)  # and a sync brings them back together
+    again = sample(engine, tok, prompts, seeds)
+    logp, mask = trainer_logp(model, tok, prompts, again)
+    assert float((logp - again.logprobs).abs()[mask].max()) < 1e-4
+
+
+def test_a_sequence_samples_the_same_alone_and_in_a_batch(setup):
+    _, tok, _, engine = setup
+    prompts = prompts_of(4)
+    seeds = [vllm_engine.sequence_seed(3, 7, i) for i in range(4)]
+    batch = sample(engine, tok, prompts, seeds)
+    for i in (0, 2):
+        alone = sample(engine, tok, prompts[i : i + 1], seeds[i : i + 1])
+        assert torch.equal(alone.tokens[0], batch.tokens[i])
+    other = sample(engine, tok, prompts, [vllm_engine.sequence_seed(3, 8, i) for i in range(4)])
+    assert not torch.equal(other.tokens, batch.tokens)  # another step's seeds draw other tokens
+
+
+def test_sequence_seed_is_keyed_like_the_rollout_noise():
+    assert vllm_engine.sequence_seed(0, 1, 2) == vllm_engine.sequence_seed(0, 1, 2)
+    assert len({vllm_engine.sequence_seed(s, k, i) for s in (0, 1) for k in (1, 2) for i in (0, 1)}) == 8
+    assert vllm_engine.sequence_seed(1, 2, 3) < 2 ** 63
+
+
+def test_unsupported_head_dim_is_an_input_error(tmp_path):
+    path = build_tiny_qwen2(tmp_path / "hd8", seed=0)  # hidden 32, 4 heads: head_dim 8
+    with pytest.raises(InputError, match="head_dim 8") as info:
+        vllm_engine.check_model_shape(str(path))
+    assert "\n" not in str(info.value)
+    vllm_engine.check_model_shape(str(build_tiny_qwen2(tmp_path / "hd64", seed=0, **SHAPE)))  # passes
+
+
+def test_a_missing_vllm_is_one_input_error_line(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    with pytest.raises(InputError, match=r"cannot import vllm .*pip install -e '\.\[vllm\]'") as info:
+        vllm_engine.import_vllm()
+    assert "\n" not in str(info.value)
