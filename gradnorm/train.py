@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, run_dir = launch.error_rank(), None
     try:  # every rank checks the same flags, files and environment, before any model exists
         rank, world_size = launch.launch_environment()
-        cfg = restart.resolve(parse_config(argv, world_size, prog="gradnorm/train.py"), world_size)
+        cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
+        lock.settle(Path(cfg.output_dir), rank)  # a kill mid-move of a run: make it whole before anyone reads it
+        cfg = restart.resolve(cfg, world_size)
         preflight.check_inputs(cfg)
         lock.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite, rank)
         ckpt_path = history.resume_point(cfg, world_size)

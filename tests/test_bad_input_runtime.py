@@ -286,12 +286,14 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path
     assert run_main(out, "--steps", "2", "--seed", "5", "--save-every", "1", "--overwrite") == 0
     assert "the previous run in" in capsys.readouterr().err
     # The old run, whole, was set aside until the new run had finished (and so had checkpoints).
-    old_run = ["ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]
+    old_run = [".gradnorm-run", "ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]  # its marker too
     assert [step for step, _, _ in seen] == [1, 2]
-    assert seen[0][1] == [".lock", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
-    assert seen[1][1] == [".lock", "ckpt_step1", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
+    assert seen[0][1] == [".gradnorm-run", ".lock", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
+    assert seen[1][1] == [".gradnorm-run", ".lock", "ckpt_step1", "config.json", "metrics.jsonl", "previous_run",
+                          "warmup.json"]
     assert seen[0][2] == seen[1][2] == old_run
-    assert sorted(os.listdir(out)) == ["ckpt_step1", "ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]
+    assert sorted(os.listdir(out)) == [".gradnorm-run", "ckpt_step1", "ckpt_step2", "config.json", "metrics.jsonl",
+                                       "warmup.json"]
     new = store.read_tensors(out / "ckpt_step2", "model")  # the new run's, not the old one kept
     assert new.keys() == old.keys() and any(not torch.equal(new[k], old[k]) for k in old)
     assert json.loads((out / "config.json").read_text())["seed"] == 5

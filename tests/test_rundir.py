@@ -69,7 +69,7 @@ def test_a_torn_checkpoint_does_not_release_the_old_run(tmp_path):
     lock.check(out, resume=False, overwrite=True)  # the way out: --overwrite again
     run_dir = RunDir(out)
     run_dir.open(resume=False, overwrite=True)  # the replacement's files go, the torn directory too
-    assert sorted(os.listdir(out)) == [".lock", lock.PREVIOUS]
+    assert sorted(os.listdir(out)) == [lock.MARKER, ".lock", lock.PREVIOUS]  # and the new run's marker is first
     run_dir.close(succeeded=False)  # and this one stops before a checkpoint as well: the old run is back
     assert sorted(os.listdir(out)) == ["ckpt_step2", "config.json"]
     assert (out / "config.json").read_text() == '{"seed": 3}'
@@ -80,7 +80,7 @@ def test_a_complete_checkpoint_releases_the_old_run(tmp_path):
     lock.check(out, resume=True, overwrite=False)
     run_dir = RunDir(out)
     run_dir.open(resume=True, overwrite=False)
-    assert sorted(os.listdir(out)) == [".lock", "ckpt_step1", "config.json"]
+    assert sorted(os.listdir(out)) == [lock.MARKER, ".lock", "ckpt_step1", "config.json"]
     run_dir.close(succeeded=True)
 
 
@@ -92,7 +92,7 @@ def test_overwrite_sets_aside_checkpoint_directories_and_torn_ones_and_puts_them
     before = every_file(out)
     run_dir = RunDir(out)
     run_dir.open(resume=False, overwrite=True)
-    assert sorted(os.listdir(out)) == [".lock", lock.PREVIOUS]
+    assert sorted(os.listdir(out)) == [lock.MARKER, ".lock", lock.PREVIOUS]
     assert sorted(os.listdir(out / lock.PREVIOUS)) == [".ckpt_step4.tmp", "ckpt_step2", "metrics.jsonl"]
     checkpoint(out, ".ckpt_step4.tmp")  # the new run is interrupted (Ctrl-C) inside a save of the same step
     (out / "metrics.jsonl").write_text('{"step": 1, "new": true}\n')

@@ -2,14 +2,21 @@
 
 Rules (rank 0 alone writes; every rank takes the same read-only decisions):
 
-- A fresh run (no --resume) refuses a directory that holds a run (config.json, metrics.jsonl or a
-  checkpoint) unless --overwrite is given.
+- A run is what the trainer marks as one: ``.gradnorm-run``, written before any other file of the
+  run (or a checkpoint directory, or the config.json of a run from before the marker). A user's
+  own config.json or wandb/ is not a run, and is never moved, replaced or deleted: a start that
+  would write over it is refused.
+- A fresh run (no --resume) refuses a directory that holds a run unless --overwrite is given.
 - --overwrite deletes nothing up front: the old run's files and checkpoint directories (torn
   ``.ckpt_step*.tmp`` ones included) move to ``previous_run/`` and are deleted only once the new run
   has a complete checkpoint (``checkpoints.latest_checkpoint``: a renamed ``ckpt_step{N}/``, never
   a ``.tmp``), at its end or at the next start. If the new run stops before that, its partial files
   go and the old run moves back; after a crash that left no chance to do so (SIGKILL, perhaps
   mid-save), the next start refuses with the way out.
+- Moving a run is many renames, so each move is journalled first (``.overwrite-journal.json``,
+  written whole by one rename): a kill between two renames leaves the journal, and the next start
+  (``settle``, before any rank reads the directory) finishes the move back, so the old run is whole
+  again, and says so. No start ever sees half a run.
 - ``.lock`` holds the owner's pid and host. A second run on the directory refuses; a lock whose
   pid is dead on this host is stale (a killed run) and is taken over with a warning.
 - --resume compares the flags that define the run with config.json (``gradnorm.trainer.rundir.history``);
@@ -34,17 +41,49 @@ LOCK = ".lock"
 PREVIOUS = "previous_run"
 
 
+MARKER = ".gradnorm-run"
+"""The file that makes a directory a run: the trainer writes it before any other file of the run."""
+
+
+JOURNAL = ".overwrite-journal.json"
+"""A move of a run between output-dir and previous_run/ in progress (see ``settle``)."""
+
+
 RUN_FILES = ("config.json", "metrics.jsonl", "warmup.json", "learning_curve.png", "tensorboard", "wandb")
 """A run's records; the last two are the directories of --report-to."""
 
 
+def is_run(out: Path) -> bool:
+    """Whether ``out`` holds a run: the marker, a checkpoint directory (torn ones too), or the
+    config.json of a run started before the marker existed (a JSON object with a ``history`` list)."""
+    if (out / MARKER).is_file() or _checkpoints(out):
+        return True
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("history"), list)
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    return list(out.glob("ckpt_step*")) + list(out.glob(".ckpt_step*.tmp"))
+
+
 def run_files(out: Path) -> list[Path]:
-    """The files of a run in ``out``: its records, its checkpoint directories (old single-file
-    ``ckpt_step*.pt`` ones too), torn ``.ckpt_step*.tmp`` directories and its Hugging Face export
-    ``final/`` when an export wrote it (not the lock, not previous_run/, not a user's own final/)."""
-    records = [out / name for name in RUN_FILES if (out / name).exists()]
+    """The files of a run in ``out``: its marker and records, its checkpoint directories (old
+    single-file ``ckpt_step*.pt`` ones too), torn ``.ckpt_step*.tmp`` directories and its Hugging
+    Face export ``final/`` when an export wrote it (not the lock, not previous_run/, not a user's own
+    final/); [] when ``out`` holds no run (``is_run``), whatever files it holds."""
+    if not is_run(out):
+        return []
+    records = [out / name for name in (MARKER, *RUN_FILES) if (out / name).exists()]
     export = [out / FINAL] if is_export(out / FINAL) else []  # else --overwrite left the old policy in the new run
-    return sorted(records + export + list(out.glob("ckpt_step*")) + list(out.glob(".ckpt_step*.tmp")))
+    return sorted(records + export + _checkpoints(out))
+
+
+def foreign_files(out: Path) -> list[Path]:
+    """Files in ``out`` with the names a run writes (config.json, wandb/, ...) that no run wrote."""
+    return [] if not out.is_dir() or is_run(out) else [out / n for n in RUN_FILES if (out / n).exists()]
 
 
 def has_checkpoint(out: Path) -> bool:
@@ -53,7 +92,8 @@ def has_checkpoint(out: Path) -> bool:
 
 
 def check(out: Path, resume: bool, overwrite: bool, rank: int = 0) -> None:
-    """The read-only decision every rank takes before anything is written; a one-line ValueError.
+    """The read-only decision every rank takes before anything is written (after ``settle``); a
+    one-line ValueError.
 
     On rank 0, the one that takes the lock, another run's live lock comes first: while an
     --overwrite run is in its warm-up, previous_run/ exists and no checkpoint does, which is not a
@@ -68,6 +108,11 @@ def check(out: Path, resume: bool, overwrite: bool, rank: int = 0) -> None:
         raise ValueError(f"{out / PREVIOUS} holds the run that an --overwrite replaced, and the replacement "
                          f"stopped before its first checkpoint: move everything in {PREVIOUS}/ back into {out} to keep "
                          "the old run, or give --overwrite again to start over")
+    foreign = foreign_files(out) if not (out / PREVIOUS).is_dir() else []  # previous_run/: a run was here
+    if foreign:
+        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in foreign)
+        raise ValueError(f"--output-dir {out} holds {names}, which no gradnorm run wrote (there is no {MARKER}); "
+                         "the run would write over them: choose another --output-dir, or move them away")
     found = run_files(out) if out.is_dir() else []
     if found and not resume and not overwrite:
         names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
@@ -108,11 +153,15 @@ class RunDir:
             if previous.is_dir():  # a replacement stranded without a checkpoint: its partial files go
                 self._remove(run_files(self.out))
             elif run_files(self.out):
-                previous.mkdir()
-                for path in run_files(self.out):
-                    path.rename(previous / path.name)
+                names = [p.name for p in run_files(self.out)]
+                with _journal(self.out, "aside", names):
+                    previous.mkdir()
+                    for name in names:
+                        _rename(self.out / name, previous / name)
                 print(f"warning: --overwrite: the previous run in {self.out} is in {previous}/ until this run's "
                       "first checkpoint exists", file=sys.stderr, flush=True)
+        if not (self.out / MARKER).is_file():  # before any other file of this run
+            (self.out / MARKER).write_text(json.dumps({"by": "gradnorm/train.py", "started": now()}) + "\n")
 
     def close(self, succeeded: bool) -> None:
         """Delete previous_run/ once replaced, or move it back; release the lock; remove what stayed empty."""
@@ -135,10 +184,7 @@ class RunDir:
             if has_checkpoint(self.out):
                 shutil.rmtree(previous)
             elif not succeeded:
-                self._remove(run_files(self.out))
-                for path in previous.iterdir():
-                    path.rename(self.out / path.name)
-                previous.rmdir()
+                _move_back(self.out, [p.name for p in run_files(self.out)], sorted(os.listdir(previous)))
                 print(f"warning: this run stopped before its first checkpoint; the previous run is back in "
                       f"{self.out}", file=sys.stderr, flush=True)
         elif not succeeded and self.fresh and not has_checkpoint(self.out) and not _logged(self.out):
@@ -168,6 +214,124 @@ class RunDir:
     def _remove(paths: list[Path]) -> None:
         for path in paths:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def settle(out: Path, rank: int = 0, wait_s: float = 60.0) -> None:
+    """Finish a move of a run that a kill interrupted, before any rank reads ``out``.
+
+    Rank 0 takes the lock (a live run's lock is respected: that run is still moving it) and moves
+    everything back: an interrupted set-aside (the replacement had not started) and an interrupted
+    move back (the replacement had stopped before its first checkpoint) both end with the old run
+    whole in ``out`` and no previous_run/, which a warning says. Every other rank waits until the
+    journal is gone, so no rank takes a decision from half a run.
+    """
+    journal = out / JOURNAL
+    try:
+        if not journal.is_file():
+            return
+    except OSError:  # an --output-dir the preflight refuses (a name too long): nothing of a run to settle
+        return
+    if rank != 0:
+        deadline = time.monotonic() + wait_s
+        while journal.is_file():
+            if time.monotonic() > deadline:
+                raise ValueError(f"--output-dir {out}: {JOURNAL} (an interrupted move of a run) is still there "
+                                 f"after {wait_s:.0f} s; rank 0 finishes it on its start, so look at rank 0's error")
+            time.sleep(0.05)
+        return
+    entry = _read_journal(journal)
+    run_dir = RunDir(out)
+    run_dir._lock()
+    try:
+        # an interrupted set-aside: the replacement wrote nothing yet, so there is nothing to discard
+        _move_back(out, entry["discard"] if entry["move"] == "back" else [], entry["names"], journalled=False)
+        journal.unlink()
+    finally:
+        (out / LOCK).unlink(missing_ok=True)
+        run_dir.locked = False
+    what = "set the old run aside" if entry["move"] == "aside" else "put the old run back"
+    print(f"warning: an --overwrite of {out} was interrupted while it {what}; the move is undone and the old run "
+          f"is whole in {out} again", file=sys.stderr, flush=True)
+
+
+def _move_back(out: Path, discard: list[str], names: list[str], journalled: bool = True) -> None:
+    """Delete the replacement's files ``discard`` from ``out`` and move the old run's ``names`` back
+    from previous_run/, journalled so that ``settle`` can finish it after a kill. Safe to repeat: a
+    name already back is not deleted again (it is the old run's now) and not moved again."""
+    previous = out / PREVIOUS
+
+    def move():
+        for name in discard:
+            if name in names and not (previous / name).exists():
+                continue  # moved back already: out/name is the old run's
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        for name in names:
+            if (previous / name).exists() or (previous / name).is_symlink():
+                _rename(previous / name, out / name)
+        if previous.is_dir() and not any(previous.iterdir()):
+            previous.rmdir()
+
+    if journalled:
+        with _journal(out, "back", names, discard):
+            move()
+    else:
+        move()
+
+
+class _journal:
+    """``with _journal(out, move, names, discard):`` the moves inside are finished by ``settle`` if killed."""
+
+    def __init__(self, out: Path, move: str, names: list[str], discard: list[str] = ()):
+        self.out, self.entry = out, {"move": move, "names": list(names), "discard": list(discard)}
+
+    def __enter__(self):
+        tmp = self.out / (JOURNAL + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.entry, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out / JOURNAL)  # the journal exists whole or not at all
+        _sync_dir(self.out)
+
+    def __exit__(self, kind, err, tb):
+        if kind is None:  # an exception leaves the journal for the next start's settle
+            _sync_dir(self.out)
+            (self.out / JOURNAL).unlink()
+        return False
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """One rename of a run's move (a test interrupts the move here)."""
+    os.rename(src, dst)
+
+
+def _sync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_journal(path: Path) -> dict:
+    try:
+        entry = json.loads(path.read_text())
+        assert isinstance(entry, dict) and entry.get("move") in ("aside", "back")
+        assert all(isinstance(n, str) and "/" not in n for n in [*entry["names"], *entry.get("discard", [])])
+        return {"discard": [], **entry}
+    except (OSError, ValueError, AssertionError, KeyError, TypeError):
+        raise ValueError(f"{path} is unreadable: it records a move of a run between {path.parent} and "
+                         f"{path.parent / PREVIOUS}/ that a kill interrupted; finish it by hand (every name in "
+                         f"{PREVIOUS}/ back into {path.parent}), then delete it") from None
 
 
 def _logged(out: Path) -> bool:
