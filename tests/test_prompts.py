@@ -5,6 +5,7 @@ character-level one of ``gradnorm.models.hf`` stands in (built locally, no downl
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,11 +49,20 @@ def test_answers_may_be_numbers_and_blank_lines_are_skipped(tmp_path):
     ('{"prompt": "a", "answer": NaN}\n', r"p\.jsonl:1: \"answer\" is nan, which no response can match"),
     ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": -Infinity}\n', r"p\.jsonl:2: \"answer\" is -inf"),
     ('\n\n', r"holds no prompts"),
+    ('{"prompt": "a", "answer": ' + "[" * 100000 + "]" * 100000 + "}\n", r"p\.jsonl:1: nested too deeply to read"),
+    ('{"prompt": "a", "answer": ' + "9" * 5001 + "}\n", r"p\.jsonl:1: a number with more digits than Python converts"),
 ])
 def test_bad_files_give_one_line_errors(tmp_path, text, message):
     with pytest.raises(ValueError, match=message) as info:
         load_prompts(write(tmp_path, text))
     assert "\n" not in str(info.value)
+
+
+def test_a_directory_or_a_fifo_is_not_called_missing(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    for path, says in ((tmp_path, "is a directory"), (tmp_path / "fifo", "is not a regular file")):
+        with pytest.raises(ValueError, match=says):
+            load_prompts(path)
 
 
 def test_a_missing_file_says_so(tmp_path):

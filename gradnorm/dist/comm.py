@@ -160,7 +160,8 @@ def is_collective_failure(err: BaseException) -> bool:
         return True
     text = str(err)
     return isinstance(err, RuntimeError) and any(s in text for s in (
-        "third_party/gloo", "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL"))
+        "third_party/gloo", "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "NCCL",
+        "Application timeout caused pair closure"))  # gloo, when a peer stops (SIGSTOP) inside a collective
 
 
 def _active() -> bool:

@@ -51,6 +51,9 @@ def load_prompts(path: str | Path) -> list[PromptExample]:
     Blank lines are skipped. ``answer`` may be a JSON string or number (42 and "42" are the same).
     """
     path = Path(path)
+    if path.is_dir() or (path.exists() and not path.is_file()):  # a directory, a FIFO, a device
+        raise ValueError(f"prompts file {path} is {'a directory' if path.is_dir() else 'not a regular file'}: give a "
+                         "JSONL file with \"prompt\" and \"answer\" on each line")
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist (expected JSONL lines with \"prompt\" and \"answer\")")
     examples = []
@@ -61,6 +64,14 @@ def load_prompts(path: str | Path) -> list[PromptExample]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # a number of more than 4300 digits: Python's int conversion limit
+            if "digits" not in str(e):
+                raise
+            raise ValueError(f"{path}:{n}: a number with more digits than Python converts (4300); write it as a "
+                             "string (\"answer\": \"123...\")") from None
+        except RecursionError:  # e.g. 100000 nested brackets: Python's parser gives up on the depth
+            raise ValueError(f"{path}:{n}: nested too deeply to read (a line is one object with \"prompt\" and "
+                             "\"answer\")") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{n}: expected a JSON object with \"prompt\" and \"answer\", got {type(row).__name__}")
         for key in ("prompt", "answer"):
