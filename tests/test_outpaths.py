@@ -43,7 +43,6 @@ from test_bad_input import fake_checkpoint, fake_model  # noqa: E402
 
 from gradnorm import export  # noqa: E402
 from gradnorm.dist import state as dist_state  # noqa: E402
-from gradnorm.models import hf as hfmodels  # noqa: E402
 from gradnorm.train import main as train_main  # noqa: E402
 from gradnorm.trainer.checkpoint import store  # noqa: E402
 from gradnorm.trainer.config import parse_config  # noqa: E402
@@ -349,6 +348,40 @@ def test_a_bad_export_hf_is_refused_before_training(name, tmp_path, monkeypatch,
     assert code == 2, captured.err
     one_error_line(captured.err, says.format(case=case))
     assert captured.out == "" and tree(tmp_path) == before
+
+
+def test_an_export_hf_whose_parent_takes_no_files_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    # A read-only filesystem refuses even root, whom chmod does not stop; so the refusal is simulated at
+    # the one call that probes it. Before, such a target passed the preflight and the export failed
+    # after the whole run had trained (exit 1).
+    import errno
+    import tempfile
+
+    case = tmp_path / "case"
+    fake_model(case / "model")
+    readonly = case / "readonly"
+    readonly.mkdir()
+    mkstemp = tempfile.mkstemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if Path(dir) == readonly:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    monkeypatch.chdir(case)
+    for variable in launch.TORCHRUN_VARS:
+        monkeypatch.delenv(variable, raising=False)
+    before = tree(tmp_path)
+    code = train_main(trainer_argv(case, ["--export-hf", "{case}/readonly/hf"], "{case}/run"))
+    assert code == 2
+    one_error_line(capsys.readouterr().err, f"--export-hf {case}/readonly/hf: its parent is not writable: "
+                                            "Read-only file system")
+    assert tree(tmp_path) == before
+    # the control: the same target on a filesystem that takes files passes the preflight (the fake model
+    # then fails to load, exit 1: it got past every check)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    assert train_main(trainer_argv(case, ["--export-hf", "{case}/readonly/hf"], "{case}/run")) != 2
 
 
 def test_the_trainer_refuses_an_empty_export_hf_as_a_command(tmp_path):

@@ -45,18 +45,24 @@ def check_output_dir(path: str) -> None:
             raise ValueError(f"--output-dir {path} is under {root}, a virtual filesystem; choose a directory on disk")
     if absolute.exists() and not absolute.is_dir():
         raise ValueError(f"--output-dir {path} is a file, not a directory")
+    check_writable(absolute, f"--output-dir {path}")
+
+
+def check_writable(absolute: Path, said: str) -> None:
+    """Files can be created at ``absolute``: in it, or in its nearest existing parent if it does not
+    exist yet (a file is created there and removed at once; nothing is left behind)."""
     probe = absolute
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"--output-dir {path} cannot be created: {probe} is a file")
+        raise ValueError(f"{said} cannot be created: {probe} is a file")
     try:  # the one reliable test of writability (os.access is wrong for root, ACLs and read-only mounts)
         fd, tmp = tempfile.mkstemp(dir=probe, prefix=".gradnorm-write-test-")
         os.close(fd)
         os.unlink(tmp)
     except OSError as err:
         what = "" if probe == absolute else f" (its nearest existing parent {probe})"
-        raise ValueError(f"--output-dir {path}{what} is not writable: {err.strerror}") from None
+        raise ValueError(f"{said}{what} is not writable: {err.strerror}") from None
 
 
 def _check_resolvable(path: str, absolute: Path) -> None:
@@ -191,7 +197,9 @@ def check_inputs(cfg: TrainConfig) -> None:
         get_reward(cfg.reward)
     check_output_dir(cfg.output_dir)
     if cfg.export_dir is not None:
-        check_export_dir(cfg.export_dir, cfg.output_dir, flag="--export-hf")
+        target = check_export_dir(cfg.export_dir, cfg.output_dir, flag="--export-hf")
+        # the export writes a temporary sibling and renames it over the target: its parent must take files
+        check_writable(target.parent, f"--export-hf {cfg.export_dir}: its parent")
     check_reporters(cfg)
 
 
