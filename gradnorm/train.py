@@ -102,11 +102,12 @@ except ImportError:
 
 import torch
 
+from gradnorm.cli import pipes
 from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.errors import first_line
 from gradnorm.core.sharding import passes
 from gradnorm.dist import comm, wrap
-from gradnorm.trainer import scoring, start
+from gradnorm.trainer import engine_rollout, scoring, start
 from gradnorm.trainer import step as steps  # `step` is the loop's counter
 from gradnorm.trainer.checkpoint import export, store
 from gradnorm.trainer.checkpoint.checkpointer import Checkpointer, RunState, saved_record
@@ -149,6 +150,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
     if not cfg.builtin:
         comm.print0(f"sampling: {policy.decoding(task.block_size)}")
         comm.print0(f"training forward: {policy.scoring(dp_model)}")
+    engine = engine_rollout.start(cfg, task, policy)  # --rollout-engine vllm: this rank's vLLM engine, synced
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     checkpointer = Checkpointer(cfg, model, opt, ref, ctx)  # when to save, and saving
     if ckpt_path is not None:
@@ -156,6 +158,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
         comm.print0(f"resumed from {ckpt_path} at step {run.step}")
 
     rollout = old_logp = ref_logp = None
+    mismatch = {}  # engine vs trainer log-probs of the current rollout batch (--rollout-engine vllm)
     with RunLog(cfg, ctx, run, saved_record(ckpt_path)) as log:  # phase times, metrics.jsonl, console
         for step in run.steps(cfg.steps):
             # 1. Rollout: sampled once per rollout batch, then reused by its U updates.
@@ -164,9 +167,10 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
                 with log.phase("rollout"), autocast():
                     # sharded: this rank samples its share of the groups, then one all_gather; replicated: all
                     share = dict(rank=ctx.rank, world_size=ctx.world_size) if cfg.rollouts == "sharded" else {}
-                    rollout = generate_rollout(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
+                    rollout = (engine.generate if engine else generate_rollout)(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                                group_size=cfg.group_size, seed=cfg.seed, step=step - j,
                                                temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
+                    mismatch = engine.mismatch(rollout) if engine else {}
                 # log-probs of the sampling policy (needed once samples are reused) and of the reference:
                 # each rank scores 1/W of the batch, then one all-to-all gives it those of the rows it
                 # trains on (FSDP2 ranks call in lockstep)
@@ -205,10 +209,13 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
                 grad_norm = wrap.clip_grad_norm(model, cfg.max_grad_norm)  # the norm before clipping
                 stats = steps.reduce_stats(sums, with_kl=cfg.beta > 0)
                 steps.apply_or_skip(opt, grad_norm, stats, run, step, cfg.max_skipped_steps)
+                if engine:  # the next rollout samples from the weights this step produced
+                    engine.sync(model)
 
             # 5. Log (rank 0) and checkpoint (every rank its shards).
             with log.phase("log"):
-                line = log.step(record(step, stats, grad_norm, batch, plan, run.skipped, cfg, with_skew=ctx.is_main),
+                line = log.step(record(step, stats, grad_norm, batch, plan, run.skipped, cfg, with_skew=ctx.is_main)
+                                | mismatch,
                                 tokens=stats.tokens)
             stop = stats.stop if step % U == 0 else None  # a stop waits for the end of a rollout batch
             with log.phase("checkpoint"):
@@ -294,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    pipes.survive_closed_stdout("the run goes on; its step lines are in metrics.jsonl")
     with preemption.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
         code = main()
     if comm.launched_by_torchrun():

@@ -200,3 +200,4 @@ def test_a_run_from_before_the_marker_is_still_a_run(tmp_path):
     assert lock.is_run(out) and lock.run_files(out) == [out / "config.json"]
     with pytest.raises(ValueError, match="holds a run"):
         lock.check(out, resume=False, overwrite=False)
+
