@@ -126,3 +126,49 @@ def test_a_missing_vllm_is_one_input_error_line(monkeypatch):
     with pytest.raises(InputError, match=r"cannot import vllm .*pip install -e '\.\[vllm\]'") as info:
         vllm_engine.import_vllm()
     assert "\n" not in str(info.value)
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+REWARD_MODULE = '''
+def text_score(response, answer):
+    return (sum(map(ord, response)) % 11) / 10
+'''
+
+
+def trainer_run(tmp_path, model, *extra, world_size=1):
+    import subprocess
+    import sys
+
+    from gradnorm.teach.launch import torchrun_command
+
+    (tmp_path / "vllm_test_rewards.py").write_text(REWARD_MODULE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    args = ["--model", str(model), "--prompts", "examples/arithmetic.jsonl", "--reward", "vllm_test_rewards:text_score",
+            "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--eval-prompts", "2",
+            "--seed", "1", "--no-plot", "--rollout-engine", "vllm", "--output-dir", str(tmp_path / "run"), *extra]
+    cmd = [sys.executable, "gradnorm/train.py", *args] if world_size == 1 else torchrun_command(world_size, *args)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_an_unsupported_head_dim_stops_the_trainer_in_one_line(tmp_path):
+    model = build_tiny_qwen2(tmp_path / "hd8", seed=0)
+    done = trainer_run(tmp_path, model, "--steps", "1")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(errors) == 1 and "head_dim 8" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_two_ranks_train_on_vllm_rollouts_and_log_the_mismatch(setup, tmp_path):
+    import json
+
+    path = setup[0]
+    done = trainer_run(tmp_path, path, "--steps", "3", world_size=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:  # synced every step: only the rounding of two fp32 implementations is left
+        assert row["engine_logp_absdiff_max"] < 1e-3, row
+        assert 0 <= row["engine_logp_absdiff_mean"] <= row["engine_logp_absdiff_max"]
+        assert row["engine_ratio_min"] <= 1 <= row["engine_ratio_max"] + 1e-6

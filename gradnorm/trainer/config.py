@@ -170,6 +170,11 @@ class TrainConfig:
     rank samples the whole batch itself (W-fold generation, no collective). Both give the same
     batch for any W: sequence i of step k draws its noise from (seed, k, i) alone. Changeable on
     --resume."""
+    rollout_engine: Literal["builtin", "vllm"] = "builtin"
+    """What samples the rollouts of a Hugging Face --model. builtin: the policy itself
+    (gradnorm.models.hf). vllm: an in-process vLLM engine on every rank (pip install -e '.[vllm]';
+    docs/vllm.md), each sampling its share of the prompt groups, its weights synced from the policy
+    after every optimizer step; metrics.jsonl logs how far its log-probs are from the trainer's."""
 
     # ---- GRPO objective
     beta: float = 0.0
@@ -371,6 +376,9 @@ class TrainConfig:
         if not self.builtin and self.task != "repeat":
             raise ValueError(f"--task {self.task} is a built-in task of the tiny model; a Hugging Face --model "
                              "trains on --prompts")
+        if self.builtin and self.rollout_engine != "builtin":
+            raise ValueError(f"--rollout-engine {self.rollout_engine} needs a Hugging Face --model; the built-in tiny "
+                             "model samples with its own sampler")
         if self.builtin and self.gradient_checkpointing:
             raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
         if self.resume and self.overwrite:
