@@ -102,6 +102,7 @@ except ImportError:
 
 import torch
 
+from gradnorm.cli import pipes
 from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.errors import first_line
 from gradnorm.core.sharding import passes
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    pipes.survive_closed_stdout("the run goes on; its step lines are in metrics.jsonl")
     with preemption.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
         code = main()
     if comm.launched_by_torchrun():
