@@ -281,7 +281,7 @@ def test_masked_tokens_and_what_the_denominator_counts(capsys):
     assert bad.masked.ratio == (pytest.approx(kept / generated), pytest.approx(kept / generated))
     # The command says it, and the control (the fix that ignores the declaration) leaks onto them.
     code, out, _ = run(capsys, f"{__name__}:drops_but_counts_them", "--count-masked", "none")
-    assert code == 1 and verdict_of(out).startswith("verdict: MISCOUNTS") and "COUNTS the" in out
+    assert code == 1 and verdict_of(out).startswith("verdict: MISCOUNTS: the denominator COUNTS the") and "COUNTS the" in out
     code, out, _ = run(capsys, f"{__name__}:drops_masked", "--count-masked", "none")
     assert code == 0 and "leaves out the" in verdict_of(out)
     code, out, _ = run(capsys, "gradnorm.audit.conventions:token_sum_over_global_count", "--count-masked", "none")

@@ -95,7 +95,7 @@ def explain_factor(near: Near, convention: Convention, tol: float, subject: str 
 
 def percent(x: float) -> str:
     """A share as a percentage that never reads 0.0% when it is not zero: 0.3%, 0.0031%, 3e-08%."""
-    if x == 0 or abs(x) >= 0.0005:
+    if x == 0 or abs(x) >= 0.001:
         return f"{x:.1%}"
     return f"{100 * x:.2g}%"
 
@@ -147,7 +147,8 @@ def verdict(report: Report) -> str:
                  "is negative)",
                  change]
     elif report.invariant and not report.leaks and report.masked and report.masked.counts_dropped:
-        parts = [f"MISCOUNTS: {change}"]
+        # the headline is the miscount; the weights are otherwise the same in every configuration
+        parts = [f"MISCOUNTS: {masked_clause(report.masked)}", f"otherwise invariant ({change})"]
     else:
         parts = [f"{'SKEWED' if not report.invariant else 'LEAKS' if report.leaks else 'INVARIANT'}: {change}"]
     if report.term and not report.invariant and (loud := loudness_clause(report)):
@@ -159,7 +160,7 @@ def verdict(report: Report) -> str:
     if report.leaks:
         dropped = " or declared dropped (truncated responses, rejected tokens)" if report.masked else ""
         parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask{dropped}")
-    if report.masked:
+    if report.masked and not parts[0].startswith("MISCOUNTS"):
         parts.append(masked_clause(report.masked))
     if report.equals == "constant":
         parts.append(f"equals a constant denominator C = {report.constant:.6g}")
