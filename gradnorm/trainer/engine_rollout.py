@@ -20,6 +20,7 @@ from torch import Tensor
 from gradnorm.core.grpo import group_advantages
 from gradnorm.dist import comm
 from gradnorm.models import vllm_engine
+from gradnorm.trainer.guards.failures import InputError
 from gradnorm.trainer.rollout import Rollout, check_rewards, group_split, response_mask, seeded_generator
 
 
@@ -94,4 +95,7 @@ def start(cfg, task, policy) -> EngineRollouts | None:
     """The engine of --rollout-engine vllm (an InputError if it cannot start), or None for builtin."""
     if cfg.rollout_engine != "vllm":
         return None
-    return EngineRollouts(cfg, task, policy)
+    try:
+        return EngineRollouts(cfg, task, policy)
+    except vllm_engine.EngineError as err:  # bad input, found once the model is built: exit code 2
+        raise InputError(str(err)) from None
