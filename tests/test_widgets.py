@@ -152,7 +152,7 @@ def gradient_explorer():
 
 
 def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
-    from gradnorm.teach.views import LOG_FLOOR
+    from gradnorm.teach.views import COSINE_FLOOR, LOG_FLOOR
 
     explorer = gradient_explorer
     explorer.update(mode="local", shard="length", spread=12.0)
@@ -160,7 +160,7 @@ def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
     sweep = explorer.artists["sweep"]
     assert_allclose(error_line.get_xdata(), SPREADS)
     assert_allclose(error_line.get_ydata(), np.maximum(sweep.relative_error["local"], LOG_FLOOR))
-    assert_allclose(cosine_line.get_ydata(), np.maximum(1 - sweep.cosine["local"], LOG_FLOOR))
+    assert_allclose(cosine_line.get_ydata(), np.maximum(1 - sweep.cosine["local"], COSINE_FLOOR))
     assert error_line.get_ydata()[-1] > 0.3 and error_line.get_ydata()[0] < 1e-12
     assert_allclose(bar_heights(explorer.artists["tokens"]), sweep.microbatch_tokens[-1].reshape(-1))
     assert f"relative error {sweep.relative_error['local'][-1]:.3g}" in explorer.readout.value

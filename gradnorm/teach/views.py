@@ -25,7 +25,7 @@ from gradnorm.teach.lengthbias import CorrectVsWrong
 from gradnorm.teach.palette import MODE_COLORS, NEUTRAL_COLOR, TOKENS_COLOR, mode_style, rank_color
 from gradnorm.teach.sweeps import GradientSweep
 
-X_LABEL = {"tokens": "spread k: response lengths drawn from 12/k to 12 tokens",
+X_LABEL = {"tokens": "spread k (every length within 12/k to 12 tokens)",
                    "pairs": "pair ratio: pairs in a full microbatch / in the long-pair one"}
 
 
@@ -35,6 +35,7 @@ UNITS = {"grpo": ("token", "tokens", "response tokens", "N", "w"),
          "dpo": ("pair", "pairs", "pairs", "P", "v")}
 
 LOG_FLOOR = 1e-18  # the bottom of the log-scale error axes: a value of 0 (or below) is drawn there
+COSINE_FLOOR = 1e-15  # 1 - cos below this is float64 rounding (exact 0 or ~1e-16 alike): drawn at this floor
 NICE = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
 
 
@@ -228,8 +229,9 @@ class GradientView:
 
 
 def on_log_axis(sweep: GradientSweep, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """(relative error, 1 - cosine) of one mode, with values under ``LOG_FLOOR`` (0 included) raised to it."""
-    return (np.maximum(sweep.relative_error[mode], LOG_FLOOR), np.maximum(1.0 - sweep.cosine[mode], LOG_FLOOR))
+    """(relative error, 1 - cosine) of one mode: the error raised to ``LOG_FLOOR`` (0 included), 1 - cosine
+    to ``COSINE_FLOOR``, below which a float64 cosine only rounds."""
+    return (np.maximum(sweep.relative_error[mode], LOG_FLOOR), np.maximum(1.0 - sweep.cosine[mode], COSINE_FLOOR))
 
 
 class CorrectVsWrongView:
