@@ -254,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.close(succeeded=False)
         failures.report_error(str(err), rank)
         return 2
+    except OSError as err:  # output-dir takes no more files (a full disk) as the run's first ones are written
+        if run_dir is not None:
+            run_dir.close(succeeded=False)
+        failures.report_error(f"could not write {err.filename or cfg.output_dir} ({err.strerror or err}); nothing "
+                              "was trained: free space there, or choose another --output-dir", rank)
+        return 1
     succeeded, run = False, RunState()  # the run's counters: main reports a failure at run.in_flight
     try:
         torch.set_num_threads(cfg.cpu_threads)
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         except failures.InputError as err:  # bad input that needed the model to be seen: like preflight's
             failures.report_error(str(err), ctx.rank)
             return 2
-        except (ValueError, TrainingError, store.CheckpointError, torch.OutOfMemoryError, MemoryError) as err:
+        except (ValueError, TrainingError, store.CheckpointError, torch.OutOfMemoryError, MemoryError, OSError) as err:
             # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
             step = None if isinstance(err, TrainingError) else run.in_flight  # a TrainingError names its step
             message = failures.explain(err, ctx.device, step)

@@ -16,7 +16,7 @@ import torch
 from gradnorm.dist import comm
 from gradnorm.dist import state as dist_state
 from gradnorm.models import hf
-from gradnorm.trainer.checkpoint.store import CheckpointError, checkpoint_dir, latest_checkpoint, read_tensors
+from gradnorm.trainer.checkpoint.store import CheckpointError, checkpoint_dir, described, latest_checkpoint, read_tensors
 from gradnorm.trainer.guards import outpaths
 
 
@@ -56,10 +56,11 @@ def save_trained(model: torch.nn.Module, tokenizer: Any, out_dir: Path, is_main:
         try:
             write_pretrained(model.config, weights, tokenizer, out_dir)
             print(f"trained policy saved to {out_dir} (AutoModelForCausalLM.from_pretrained)", flush=True)
-        except (OSError, ValueError) as err:  # ValueError: the target changed since the preflight
-            error = err
+        except Exception as err:  # a full disk (safetensors' own error), the target changed since the preflight:
+            error = err  # every rank must learn it, or the others wait in all_true
     if not comm.all_true(error is None):
-        raise CheckpointError(f"could not export the trained policy to {out_dir} ({error}); "
+        what = described(error, out_dir) if error is not None else "it failed on rank 0"
+        raise CheckpointError(f"could not export the trained policy to {out_dir} ({what}); "
                                             "the checkpoints are intact: python -m gradnorm.export converts them")
 
 

@@ -34,6 +34,7 @@ JSON; ``.metadata`` goes through a restricted unpickler and tensors through
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -61,6 +62,19 @@ ADVICE = "delete it to fall back on an earlier checkpoint (--resume, or python -
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (full disk, permissions...); the earlier ones are intact."""
+
+
+def described(error: BaseException, directory: str | Path) -> str:
+    """``Type: first line`` of a failed write into ``directory``, naming a full disk as one: torch's
+    writer says only "[enforce fail at inline_container.cc:...] unexpected pos", safetensors its own."""
+    text = f"{type(error).__name__}: {first_line(error, 400)}"
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return text
+    try:
+        free = shutil.disk_usage(Path(directory) if Path(directory).exists() else Path(directory).parent).free
+    except OSError:
+        return text
+    return text + (f"; no space left on device: {free} bytes free" if free < 1 << 20 else "")
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -112,8 +126,7 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
         if not comm.all_true(error is None):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            what = f"{type(error).__name__}: {first_line(error, 400)}" if error is not None \
-                else "it failed on another rank"
+            what = described(error, output_dir) if error is not None else "it failed on another rank"
             # the run's files stay (gradnorm.trainer.rundir): the way on is --resume, or --overwrite with nothing to resume
             fixed = "once the cause is fixed (disk space, permissions)"
             if previous:

@@ -7,6 +7,7 @@ torchrun prints its own report of the failed workers after our line."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -54,12 +55,20 @@ def out_of_memory(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err))
 
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+"""What a write that names no file fails with: a full disk or quota, a read-only or failing device."""
+
+
 def explain(err: BaseException, device: torch.device, step: int | None) -> str:
     """The message of an error that stopped a run at ``step`` (None: before the first step)."""
     where = "" if step is None else f"step {step}: "
     if out_of_memory(err):
         first = first_line(err, 160)
         return f"{where}out of memory on {device} ({first}); {MEMORY_ADVICE}; the checkpoints written so far are intact"
+    if isinstance(err, OSError) and (err.filename is not None or err.errno in WRITE_ERRNOS):  # a run file
+        what = err.filename if err.filename is not None else "a file of the run"  # metrics.jsonl, config.json, ...
+        return (f"{where}could not write {what} ({err.strerror or err}); the checkpoints written so far are intact, "
+                "and --resume continues from the latest once the cause is fixed")
     return where + str(err)
 
 

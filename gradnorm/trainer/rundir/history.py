@@ -120,8 +120,12 @@ def write_config(out: Path, cfg: TrainConfig, world_size: int, step: int) -> Non
     config = {**cfg.to_dict(), "world_size": world_size, "prompts_sha256": prompts_digest(cfg),
               "history": [*history, entry]}
     tmp = out / ".config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out / "config.json")  # a crash mid-write leaves the old config.json
+    try:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, out / "config.json")  # a crash mid-write leaves the old config.json
+    except OSError:  # a full disk: no empty temporary file is left beside the old config.json
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def resume_point(cfg: TrainConfig, world_size: int | None = None) -> Path | None:
