@@ -1,4 +1,5 @@
-"""A full disk is one line that says so, at every write of a run, and leaves nothing torn.
+"""A full disk is one line that says so, at every write of a run, and leaves nothing torn; so is a
+directory standing where a run file belongs.
 
 Each case runs the trainer into a small tmpfs (mounted here, which needs root; skipped with the
 reason otherwise): full before the run's first file, at a checkpoint (torch's writer says only
@@ -79,3 +80,16 @@ def test_control_the_same_run_with_room_succeeds(small_disk, capsys):
     disk = small_disk(64 << 20)
     assert main([*TINY, "--output-dir", str(disk / "run"), "--steps", "1", "--save-every", "1"]) == 0
     assert (disk / "run" / "ckpt_step1").is_dir()
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "config.json", "warmup.json"])
+def test_a_directory_where_a_run_file_belongs_is_one_line(tmp_path, capsys, name):
+    out = tmp_path / "run"
+    flags = [*TINY, "--output-dir", str(out), "--save-every", "1"]
+    assert main([*flags, "--steps", "1"]) == 0
+    (out / name).unlink()
+    (out / name).mkdir()  # someone's mkdir, a sync tool's conflict copy
+    code = main([*flags, "--steps", "2", "--resume"])
+    err = capsys.readouterr().err
+    assert code in (1, 2), err
+    one_error_line(err, name)
