@@ -247,6 +247,9 @@ class CorrectVsWrongView:
         self.correct = list(ax.bar(x, zeros, 0.6, color=colors))
         self.wrong = list(ax.bar(x, zeros, 0.6, color=colors, alpha=0.45, hatch="//"))
         self.zero = ax.axhline(0, color="black", lw=0.8)
+        # each bar's value, so that a sliver (a wrong token with 1 correct of 8) still reads as a number
+        self.label_c = [ax.text(i, 0, "", ha="center", va="bottom", fontsize="x-small") for i in x]
+        self.label_w = [ax.text(i, 0, "", ha="center", va="top", fontsize="x-small") for i in x]
         ax.set_xticks(x, self.modes)
         ax.set_ylabel("push on one token: w × adv × N")
         ax.set_title("push on one token: correct (solid) up, wrong (hatched) down", loc="left", fontsize="medium")
@@ -260,17 +263,24 @@ class CorrectVsWrongView:
         kinds = [Patch(facecolor=NEUTRAL_COLOR, label="correct responses"),
                  Patch(facecolor=NEUTRAL_COLOR, alpha=0.45, hatch="//", label="wrong responses")]
         ax.legend(handles=kinds, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", borderaxespad=0)
-        self.dynamic: list[Artist] = [*self.correct, *self.wrong, self.zero, *_spines(self.ax_p), self.ax_p.yaxis,
+        self.dynamic: list[Artist] = [*self.correct, *self.wrong, self.zero, *self.label_c, *self.label_w,
+                                      *_spines(self.ax_p), self.ax_p.yaxis,
                                       *self.share_c, *self.share_w, *_spines(self.ax_s)]
 
     def update(self, view: CorrectVsWrong) -> dict:
         up = np.array([view.push_per_token[m][0] for m in self.modes])
         down = np.array([view.push_per_token[m][1] for m in self.modes])
-        for rect_c, rect_w, c, w in zip(self.correct, self.wrong, up, down):
+        for i, (rect_c, rect_w, c, w) in enumerate(zip(self.correct, self.wrong, up, down)):
             rect_c.set_height(c)
             rect_w.set_height(w)
+            self.label_c[i].set_position((i, c))
+            self.label_c[i].set_text(f"{c:.3g}")
+            self.label_w[i].set_position((i, w))
+            self.label_w[i].set_text(f"{w:.3g}")
         low, high = min(0.0, float(down.min())), max(0.0, float(up.max()))
-        self.ax_p.set_ylim(-nice_ceiling(1.1 * -low) if low < 0 else 0.0, nice_ceiling(1.1 * high))
+        top = nice_ceiling(1.3 * high)
+        # room under a short wrong bar for its value label
+        self.ax_p.set_ylim(-max(nice_ceiling(1.3 * -low), 0.12 * top) if low < 0 else 0.0, top)
         for m, rect_c, rect_w in zip(self.modes, self.share_c, self.share_w):
             correct, wrong = view.update_share[m]
             rect_c.set_height(correct)
