@@ -147,10 +147,11 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
     # What the training forward goes through: DDP around the model, or the model itself (FSDP2
     # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
     dp_model = wrap.wrap_policy(model, cfg.parallel, ctx, blocks=policy.blocks())
-    if not cfg.builtin:
-        comm.print0(f"sampling: {policy.decoding(task.block_size)}")
-        comm.print0(f"training forward: {policy.scoring(dp_model)}")
     engine = engine_rollout.start(cfg, task, policy)  # --rollout-engine vllm: this rank's vLLM engine, synced
+    if not cfg.builtin:
+        comm.print0("sampling: an in-process vLLM engine per rank (gradnorm.trainer.engine_rollout)" if engine
+                    else f"sampling: {policy.decoding(task.block_size)}")
+        comm.print0(f"training forward: {policy.scoring(dp_model)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     checkpointer = Checkpointer(cfg, model, opt, ref, ctx)  # when to save, and saving
     if ckpt_path is not None:
