@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,34 @@ def test_a_real_ctrl_c_during_the_audit_is_exit_130_and_one_line(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err
     assert err.strip() == "error: interrupted (Ctrl-C): no report" and out == ""
+
+
+ENDS_THE_PROCESS = {  # a loss that ends its process in a way no Python guard can catch
+    "os-exit-0-when-called": ("import os\ndef loss(logp, old_logp, advantages, mask, **counts):\n    os._exit(0)\n",
+                              "exited with code 0 (os._exit in the loss or at its import?)"),
+    "os-exit-0-at-import": ("import os\nos._exit(0)\n", "exited with code 0 (os._exit in the loss or at its import?)"),
+    "kills-itself": ("import os, signal\ndef loss(logp, old_logp, advantages, mask, **counts):\n"
+                     "    os.kill(os.getpid(), signal.SIGKILL)\n", "was killed by SIGKILL"),
+}
+
+
+@pytest.mark.parametrize("name", ENDS_THE_PROCESS)
+def test_the_audit_command_gives_no_verdict_when_the_loss_ends_its_process(name, tmp_path):
+    """Before, ``os._exit(0)`` in an audited loss ended ``python -m gradnorm.audit`` with exit 0 and no
+    output, which a CI gate reads as INVARIANT. The loss runs in a child; the command prints a
+    verdict only from a report it received."""
+    source, says = ENDS_THE_PROCESS[name]
+    (tmp_path / "ends.py").write_text(source)
+    done = subprocess.run([sys.executable, "-m", "gradnorm.audit", f"{tmp_path / 'ends.py'}:loss"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and "verdict:" not in done.stderr
+    assert done.stderr.strip() == f"error: the audited code's process {says} before it sent a report: no verdict"
+
+
+def test_control_the_isolated_command_passes_on_a_real_report():
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "gradnorm.audit", str(root / "examples" / "drop_in_ddp.py") + ":grpo_loss"],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert "verdict: INVARIANT" in done.stdout

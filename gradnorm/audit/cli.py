@@ -13,7 +13,10 @@ the words of its output ``gradnorm.audit.verdict``'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
+import multiprocessing
 import signal
 import sys
 import textwrap
@@ -202,21 +205,69 @@ def _on_ctrl_c(signum, frame):
     raise _CtrlC
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, isolate: bool = False) -> int:
     """The command: print the table and the verdict; exit 0 invariant, 1 skewed, leaking or wrong-signed, 2 error,
-    130 on Ctrl-C."""
+    130 on Ctrl-C.
+
+    ``isolate`` (``python -m gradnorm.audit``) runs the user's code in a child process, so that an
+    ``os._exit``, a crash in C code or a signal in it ends the child, not the command: the parent
+    prints a verdict only from a report the child sent, and otherwise one line, exit 2.
+    """
     try:
         previous = signal.signal(signal.SIGINT, _on_ctrl_c)
     except ValueError:  # not the main thread: leave Ctrl-C as it is
         previous = None
     try:
-        return _run(argv)
+        return _isolated(argv) if isolate else _run(argv)
     except _CtrlC:
         print("error: interrupted (Ctrl-C): no report", file=sys.stderr)
         return INTERRUPTED
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def _isolated(argv: Sequence[str] | None) -> int:
+    """``_run`` in a child process; its printed report comes back through a pipe, or it never came."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _parser().parse_args(argv)  # --help and bad flags answer here, at once, without a child
+    except ContractError as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(argv, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        try:
+            printed, code = receive.recv()
+        except EOFError:  # the child ended without a report
+            printed, code = None, None
+        child.join()
+    finally:
+        if child.is_alive():  # Ctrl-C in the parent: the child goes too
+            child.terminate()
+            child.join()
+    if printed is None:
+        ended = child.exitcode
+        how = (f"was killed by {signal.Signals(-ended).name}" if ended is not None and ended < 0
+               else f"exited with code {ended} (os._exit in the loss or at its import?)")
+        print(f"error: the audited code's process {how} before it sent a report: no verdict", file=sys.stderr)
+        return 2
+    sys.stdout.write(printed)
+    sys.stdout.flush()
+    return code
+
+
+def _child(argv: list[str], send) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent takes Ctrl-C, and ends this process
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the loss's own prints come back too, before the report
+        code = _run(argv)
+    send.send((printed.getvalue(), code))
+    send.close()
 
 
 def _run(argv: Sequence[str] | None) -> int:
