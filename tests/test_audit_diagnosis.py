@@ -250,3 +250,5 @@ def test_help_says_what_every_sharding_does(capsys):
 def test_percent_never_reads_zero_for_a_nonzero_change():
     assert verdict.percent(0.0) == "0.0%" and verdict.percent(0.123) == "12.3%"
     assert verdict.percent(3e-5) == "0.003%" and verdict.percent(3.14e-10) == "3.1e-08%"
+    # float rounding, at or below the audit's tolerance, is no signal: it reads 0.0% (the control: just above it)
+    assert verdict.percent(1.4e-14, rounding=1e-9) == "0.0%" and verdict.percent(3e-9, rounding=1e-9) == "3e-07%"

@@ -228,23 +228,25 @@ def main(argv: Sequence[str] | None = None, isolate: bool = False) -> int:
 
 
 def _isolated(argv: Sequence[str] | None) -> int:
-    """``_run`` in a child process; its printed report comes back through a pipe, or it never came."""
+    """``_run`` in a child process; what it printed (the report, or its one error line) comes back
+    through a pipe, or nothing came."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         _parser().parse_args(argv)  # --help and bad flags answer here, at once, without a child
     except ContractError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    context = multiprocessing.get_context("spawn")
+    # fork: the child starts at once with what is imported (nothing ran torch yet); spawn where there is no fork
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(argv, send), daemon=True)
     child.start()
     send.close()
     try:
         try:
-            printed, code = receive.recv()
+            printed, said, code = receive.recv()
         except EOFError:  # the child ended without a report
-            printed, code = None, None
+            printed, said, code = None, "", None
         child.join()
     finally:
         if child.is_alive():  # Ctrl-C in the parent: the child goes too
@@ -256,6 +258,7 @@ def _isolated(argv: Sequence[str] | None) -> int:
                else f"exited with code {ended} (os._exit in the loss or at its import?)")
         print(f"error: the audited code's process {how} before it sent a report: no verdict", file=sys.stderr)
         return 2
+    sys.stderr.write(said)
     sys.stdout.write(printed)
     sys.stdout.flush()
     return code
@@ -263,10 +266,10 @@ def _isolated(argv: Sequence[str] | None) -> int:
 
 def _child(argv: list[str], send) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent takes Ctrl-C, and ends this process
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # the loss's own prints come back too, before the report
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):  # the loss's own prints come too
         code = _run(argv)
-    send.send((printed.getvalue(), code))
+    send.send((printed.getvalue(), said.getvalue(), code))
     send.close()
 
 

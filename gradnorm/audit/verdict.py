@@ -93,9 +93,10 @@ def explain_factor(near: Near, convention: Convention, tol: float, subject: str 
     return text
 
 
-def percent(x: float) -> str:
-    """A share as a percentage that never reads 0.0% when it is not zero: 0.3%, 0.0031%, 3e-08%."""
-    if x == 0 or abs(x) >= 0.001:
+def percent(x: float, rounding: float = 0.0) -> str:
+    """A share as a percentage that never reads 0.0% when it is more than ``rounding`` (the audit's
+    tolerance: float rounding, not a signal, reads 0.0%): 0.3%, 0.0031%, 3e-06%."""
+    if abs(x) <= rounding or abs(x) >= 0.001:
         return f"{x:.1%}"
     return f"{100 * x:.2g}%"
 
@@ -109,7 +110,7 @@ def _equal_counts_clause(report: Report) -> str:
     where = f", where it equals {like}" if mode else ""
     unit = "pairs" if report.objective.unit == "pair" else "sequences"
     return (f"invariant whenever every microbatch holds the same number of {unit}{where}; skewed by up to "
-            f"{percent(max(r.change for r in uneven))} when they do not (under "
+            f"{percent(max(r.change for r in uneven), report.tol)} when they do not (under "
             f"{', '.join(dict.fromkeys(r.label for r in uneven))})"
             + (f"; if your trainer's microbatches hold a fixed number of {unit}, audit with --sharding "
                f"{' '.join(even)}" if even else ""))
@@ -141,7 +142,7 @@ def verdict(report: Report) -> str:
         loud = loudness_clause(worst)
         whole = verdict(replace(report, terms={}))
         return f"{lead}: {loud or verdict(worst)}; the loss's total reads {whole}"
-    change = f"a token's weight changes by up to {percent(report.change)} across configurations"
+    change = f"a token's weight changes by up to {percent(report.change, report.tol)} across configurations"
     if report.wrong_sign:
         parts = [f"WRONG SIGN: {report.objective.wrong_sign} ({report.negative:.1%} of the weight inside the mask "
                  "is negative)",
