@@ -264,7 +264,7 @@ def test_a_fresh_run_never_mixes_with_the_run_already_in_its_output_dir(tmp_path
     assert every_file(out) == old  # refused before anything was touched
     one_process(out, "--steps", "1", "--seed", "5", "--overwrite")
     # The old ckpt_step2 would be what --resume picks: it went with previous_run/ at the new run's checkpoint.
-    assert sorted(os.listdir(out)) == ["ckpt_step1", "config.json", "metrics.jsonl", "warmup.json"]
+    assert sorted(os.listdir(out)) == [".gradnorm-run", "ckpt_step1", "config.json", "metrics.jsonl", "warmup.json"]
     assert store.latest_checkpoint(out) == out / "ckpt_step1"
     assert [m["step"] for m in metrics(out)] == [1]
     assert json.loads((out / "config.json").read_text())["seed"] == 5

@@ -81,6 +81,12 @@ def run_files(out: Path) -> list[Path]:
     return sorted(records + export + _checkpoints(out))
 
 
+def run_records(out: Path) -> list[Path]:
+    """``run_files`` without the marker: what a run has written. A marker alone is a start in progress
+    (rank 0 writes it before the other ranks look) or one that wrote nothing else, so nothing to keep."""
+    return [p for p in run_files(out) if p.name != MARKER]
+
+
 def foreign_files(out: Path) -> list[Path]:
     """Files in ``out`` with the names a run writes (config.json, wandb/, ...) that no run wrote."""
     return [] if not out.is_dir() or is_run(out) else [out / n for n in RUN_FILES if (out / n).exists()]
@@ -113,7 +119,7 @@ def check(out: Path, resume: bool, overwrite: bool, rank: int = 0) -> None:
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in foreign)
         raise ValueError(f"--output-dir {out} holds {names}, which no gradnorm run wrote (there is no {MARKER}); "
                          "the run would write over them: choose another --output-dir, or move them away")
-    found = run_files(out) if out.is_dir() else []
+    found = run_records(out) if out.is_dir() else []
     if found and not resume and not overwrite:
         names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
         raise ValueError(f"--output-dir {out} holds a run ({names}): --resume to continue it, --overwrite to "

@@ -26,7 +26,7 @@ from pathlib import Path
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.rundir.history import compare_resumed, read_config
-from gradnorm.trainer.rundir.lock import PREVIOUS, run_files
+from gradnorm.trainer.rundir.lock import PREVIOUS, run_records
 
 
 class Complete(Exception):
@@ -42,7 +42,7 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         return cfg
     out = Path(cfg.output_dir)
     checkpoint = latest_checkpoint(out) if out.is_dir() else None
-    leftovers = (run_files(out) if out.is_dir() else []) + ([out / PREVIOUS] if (out / PREVIOUS).is_dir() else [])
+    leftovers = (run_records(out) if out.is_dir() else []) + ([out / PREVIOUS] if (out / PREVIOUS).is_dir() else [])
     if checkpoint is None and not leftovers:
         return cfg  # the first start
     old = read_config(out)
