@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from test_bad_input_runtime import every_file
 from test_reliability import TINY, one_error_line
+from test_rundir import _dead_pid
 
 from gradnorm.train import main
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
@@ -46,9 +47,7 @@ def old_run(out: Path) -> dict[str, bytes]:
 
 def die(out: Path) -> None:
     """What the kernel leaves of a killed owner: its lock, naming a pid that no longer runs."""
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    (out / lock.LOCK).write_text(json.dumps({"pid": proc.pid, "host": socket.gethostname(), "started": "then"}))
+    (out / lock.LOCK).write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "started": "then"}))
 
 
 class Killed(BaseException):
