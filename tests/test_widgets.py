@@ -202,6 +202,37 @@ def test_length_bias_explorer():
     assert explorer.artists["view"].advantage_correct == pytest.approx(0.5)  # 1 - mean reward 0.5
 
 
+def test_token_imbalance_stills_fit_their_own_height_axis():
+    fixed, fitted = widgets.token_imbalance_explorer(), widgets.token_imbalance_explorer(fit_axis=True)
+    tops = {}
+    for k in (4, 24):
+        for name, explorer in (("fixed", fixed), ("fitted", fitted)):
+            explorer.update(imbalance=k)
+            tops[name, k] = explorer.figure.axes[0].get_ylim()[1]
+    tallest = max(bar_heights(fitted.artists["weights"]["local"]))
+    assert tops["fixed", 4] == tops["fixed", 24] > 4 * 3.25  # the sliders' one axis flattens the default
+    assert 156 / 48 <= tops["fitted", 4] < 2 * 156 / 48 < tops["fitted", 24] and tops["fitted", 24] >= tallest
+
+
+def test_length_bias_stills_share_one_push_axis():
+    from gradnorm.teach import lengthbias, views
+
+    settings = [{"correct_len": 10, "wrong_len": 40, "num_correct": 4}, {"correct_len": 10, "wrong_len": 40, "num_correct": 1}]
+    data = [lengthbias.correct_vs_wrong(**s) for s in settings]
+    axis = views.push_axis(data, list(data[0].push_per_token))
+    pushes = [p for d in data for p in d.push_per_token.values()]
+    assert axis[0] <= min(w for _, w in pushes) and axis[1] >= max(c for c, _ in pushes)
+    shared = widgets.length_bias_explorer(ylim=axis)
+    fitted = widgets.length_bias_explorer()
+    limits = {"shared": set(), "fitted": set()}
+    for values in settings:
+        for name, explorer in (("shared", shared), ("fitted", fitted)):
+            explorer.update(**values)
+            limits[name].add(explorer.figure.axes[0].get_ylim())
+    assert limits["shared"] == {axis}
+    assert len(limits["fitted"]) == 2  # the control: without ylim the axis follows each setting
+
+
 def test_axis_limits_sit_on_a_ladder_of_round_numbers():
     from gradnorm.teach.views import nice_ceiling
 

@@ -234,11 +234,21 @@ def on_log_axis(sweep: GradientSweep, mode: str) -> tuple[np.ndarray, np.ndarray
     return (np.maximum(sweep.relative_error[mode], LOG_FLOOR), np.maximum(1.0 - sweep.cosine[mode], COSINE_FLOOR))
 
 
+def push_axis(views: Sequence[CorrectVsWrong], modes: Sequence[str]) -> tuple[float, float]:
+    """The push axis that holds every bar of every setting in ``views``, with room under the lowest
+    wrong bar for its value label."""
+    low = min(0.0, *(float(v.push_per_token[m][1]) for v in views for m in modes))
+    top = nice_ceiling(1.3 * max(0.0, *(float(v.push_per_token[m][0]) for v in views for m in modes)))
+    return (-max(nice_ceiling(1.3 * -low), 0.12 * top) if low < 0 else 0.0, top)
+
+
 class CorrectVsWrongView:
     """Notebook 04: the push on one correct and one wrong token per mode, and who gets the update."""
 
-    def __init__(self, fig: Figure, modes: Sequence[str]):
-        self.modes = list(modes)
+    def __init__(self, fig: Figure, modes: Sequence[str], ylim: tuple[float, float] | None = None):
+        """``ylim`` fixes the push axis (stills that share it compare at a glance: ``shared_push_axis``);
+        without it the axis fits each setting."""
+        self.modes, self.ylim = list(modes), ylim
         self.ax_p, self.ax_s = fig.subplots(1, 2)
         x = np.arange(len(self.modes))
         colors = [MODE_COLORS[m] for m in self.modes]
@@ -277,10 +287,7 @@ class CorrectVsWrongView:
             self.label_c[i].set_text(f"{c:.3g}")
             self.label_w[i].set_position((i, w))
             self.label_w[i].set_text(f"{w:.3g}")
-        low, high = min(0.0, float(down.min())), max(0.0, float(up.max()))
-        top = nice_ceiling(1.3 * high)
-        # room under a short wrong bar for its value label
-        self.ax_p.set_ylim(-max(nice_ceiling(1.3 * -low), 0.12 * top) if low < 0 else 0.0, top)
+        self.ax_p.set_ylim(*(self.ylim or push_axis([view], self.modes)))
         for m, rect_c, rect_w in zip(self.modes, self.share_c, self.share_w):
             correct, wrong = view.update_share[m]
             rect_c.set_height(correct)

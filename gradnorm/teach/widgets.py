@@ -135,8 +135,11 @@ def describe_token_imbalance(batch: ShardedBatch, artists: dict) -> str:
     )
 
 
-def token_imbalance_explorer(world_size: int = 2, accum_steps: int = 2, imbalance: int = 4) -> Explorer:
-    """Sliders for W, A and the imbalance of rank 0's first microbatch (notebook 01)."""
+def token_imbalance_explorer(world_size: int = 2, accum_steps: int = 2, imbalance: int = 4,
+                             fit_axis: bool = False) -> Explorer:
+    """Sliders for W, A and the imbalance of rank 0's first microbatch (notebook 01). The height axis
+    is one for every frame the sliders can make, so that frames compare; ``fit_axis`` fits it to each
+    frame instead (static stills, where the one axis would flatten the default's bars)."""
     controls = {
         "world_size": _int_slider("ranks W", world_size, 1, 8),
         "accum_steps": _int_slider("accumulation steps A", accum_steps, 1, 8),
@@ -148,7 +151,7 @@ def token_imbalance_explorer(world_size: int = 2, accum_steps: int = 2, imbalanc
     # a token of the short microbatch at W = A = 8 and imbalance 24 (the taller the more microbatches).
     tallest = token_layout(token_imbalance_batch(8, 8, max(IMBALANCES)), "local")
     ymax = views.nice_ceiling(1.05 * float(tallest.weight.max() * tallest.length.sum()))
-    view = views.ImbalanceView(fig, max_sequences=8 * 8 * 2, max_ranks=8, ymax=ymax)
+    view = views.ImbalanceView(fig, max_sequences=8 * 8 * 2, max_ranks=8, ymax=None if fit_axis else ymax)
 
     def draw(world_size: int, accum_steps: int, imbalance: int) -> tuple[dict, str]:
         batch = token_imbalance_batch(world_size, accum_steps, imbalance)
@@ -218,8 +221,11 @@ def describe_correct_vs_wrong(view) -> str:
 
 
 def length_bias_explorer(correct_len: int = 10, wrong_len: int = 40, num_correct: int = 4, group_size: int = 8,
-                         max_new_tokens: int = 64, scale_by_std: bool = True) -> Explorer:
-    """Lengths of correct and wrong responses in one prompt group, and how many are correct (notebook 04)."""
+                         max_new_tokens: int = 64, scale_by_std: bool = True,
+                         ylim: tuple[float, float] | None = None) -> Explorer:
+    """Lengths of correct and wrong responses in one prompt group, and how many are correct (notebook 04).
+    ``ylim`` fixes the push axis, e.g. ``views.push_axis`` of a set of stills; without it the axis fits
+    each setting."""
     controls = {
         "correct_len": _int_slider("correct length", correct_len, 1, max_new_tokens),
         "wrong_len": _int_slider("wrong length", wrong_len, 1, max_new_tokens),
@@ -227,7 +233,7 @@ def length_bias_explorer(correct_len: int = 10, wrong_len: int = 40, num_correct
         "scale_by_std": widgets.Checkbox(value=scale_by_std, description="divide advantages by the group std"),
     }
     fig = Figure(figsize=(12, 4), dpi=80)
-    view = views.CorrectVsWrongView(fig, INVARIANT_MODES)
+    view = views.CorrectVsWrongView(fig, INVARIANT_MODES, ylim)
 
     def draw(correct_len: int, wrong_len: int, num_correct: int, scale_by_std: bool) -> tuple[dict, str]:
         data = correct_vs_wrong(correct_len, wrong_len, num_correct, group_size, max_new_tokens=max_new_tokens,
