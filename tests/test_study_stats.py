@@ -125,3 +125,23 @@ def test_effect_grid_draws_one_forest_per_measure_and_task():
     assert [t.get_text() for t in axes[0][0].get_yticklabels()] == ["local/length - token/length"]
     assert not axes[1][0].axison  # the measure is not in the study
     plt.close(fig)
+
+
+def test_the_committed_study_comes_from_a_clean_commit_of_this_repository():
+    """The provenance study.py records: a commit, without "uncommitted changes", reachable from HEAD
+    (a study from a dirty tree or another branch cannot be rerun to the same numbers)."""
+    import json
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    meta = json.loads((root / "benchmarks" / "study.json").read_text())["meta"]
+    assert "uncommitted" not in meta["commit"], meta["commit"]
+    assert meta["command"].startswith("python benchmarks/study.py --out benchmarks"), meta["command"]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout: the commit cannot be looked up")
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=root, capture_output=True, text=True)
+    if shallow.stdout.strip() == "true":
+        pytest.skip("a shallow clone: older commits are not here to look up")
+    found = subprocess.run(["git", "merge-base", "--is-ancestor", meta["commit"], "HEAD"], cwd=root)
+    assert found.returncode == 0, f"study.json names commit {meta['commit']}, which is not an ancestor of HEAD"
