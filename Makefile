@@ -65,7 +65,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/cli_parsers.py --rounds 10 --out benchmarks
 	OMP_NUM_THREADS=1 $(PY) benchmarks/canvas_latency.py --presses 20 --out benchmarks
 
-# The controlled study of the denominators (under an hour on 2 cores; study.md states the last run's wall
+# The controlled study of the denominators (minutes on 2 idle cores, longer on a busy machine; study.md states the last run's wall
 # time and load; not part of `make test`):
 # regenerates benchmarks/study.md, study.json and study.png (notebook 03 draws from study.json).
 study: install
