@@ -6,6 +6,7 @@ cover each class. Two torchrun launches show that rank 0's line comes first unde
 one Hugging Face run shows a user's reward raising in the middle of a rollout.
 """
 
+import io
 import json
 import os
 import socket
@@ -342,6 +343,8 @@ def test_a_stale_lock_is_taken_over_with_a_warning_and_a_live_one_is_not(tmp_pat
     (lambda r, a: [1.0], "returned list [1.0] on sequence 4"),
     (lambda r, a: "1.0", "returned str '1.0' on sequence 4"),
     (lambda r, a: float("nan"), "returned nan on sequence 4; rewards must be finite"),
+    (lambda r, a: 1e39, "returned 1e+39 on sequence 4, beyond float32's range (|reward| <= 3.403e+38)"),
+    (lambda r, a: -1e39, "returned -1e+39 on sequence 4, beyond float32's range"),
     (lambda r: 1.0, "raised TypeError("),
 ])
 def test_a_reward_that_misbehaves_is_named_with_its_sequence(value, says):
@@ -350,6 +353,37 @@ def test_a_reward_that_misbehaves_is_named_with_its_sequence(value, says):
     assert says in str(caught.value).splitlines()[0]
     assert call_reward(lambda r, a: np.float32(0.5), "x", "y", 0) == 0.5  # numbers of any kind
     assert call_reward(lambda r, a: torch.tensor(1.0), "x", "y", 0) == 1.0
+    assert call_reward(lambda r, a: 3e38, "x", "y", 0) == 3e38  # the control: float32's largest still pass
+
+
+def test_a_reward_that_closes_stdout_is_named(monkeypatch):
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert call_reward(lambda r, a: print("scored") or 1.0, "x", "y", 0) == 1.0  # the control: printing is fine
+    with pytest.raises(RewardError, match="reward function .* closed sys.stdout on sequence 3; a reward must leave"):
+        call_reward(lambda r, a: stream.close() or 1.0, "x", "y", 3)
+
+
+ENDS_THE_TRAINER = {
+    "when called": "import os\nfrom gradnorm.tasks.rewards import call_reward\n"
+                   "call_reward(lambda r, a: os._exit(0), 'response', '7', 2)\n",
+    "at import": "import pathlib, sys\nsys.path.insert(0, sys.argv[1])\n"
+                 "pathlib.Path(sys.argv[1], 'exiting_reward.py').write_text('import os\\nos._exit(0)\\n')\n"
+                 "from gradnorm.tasks.rewards import get_reward\nget_reward('exiting_reward:score')\n",
+}
+
+
+@pytest.mark.parametrize("when", ENDS_THE_TRAINER)
+def test_a_reward_calling_os_exit_is_a_reward_error_not_the_end_of_the_trainer(when, tmp_path):
+    """os._exit(0) in a reward ended the trainer at once with exit 0 and no output: a success to CI.
+    The reward's call (and its import) runs under usercode.no_process_exit, so it is a RewardError."""
+    done = subprocess.run([sys.executable, "-c", ENDS_THE_TRAINER[when], str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    summary = [line for line in done.stderr.splitlines() if "RewardError: " in line]
+    assert summary and "os._exit(0)" in summary[0], done.stderr
+    assert summary[0].endswith({"when called": "raised os._exit(0) on sequence 2 (answer '7')",
+                                "at import": "exiting_reward:score failed to import: os._exit(0)"}[when])
 
 
 @pytest.mark.parametrize("environ, expected", [

@@ -18,16 +18,47 @@ import contextlib
 import importlib
 import importlib.util
 import itertools
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-USER_EXITS = (Exception, SystemExit, KeyboardInterrupt)
+class ProcessExit(BaseException):
+    """User code called ``os._exit(code)`` inside ``no_process_exit``: raised in its place, so that
+    the command fails in one line instead of ending at once, with the user's code as its exit code
+    (0 would read as success) and no word of why."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+USER_EXITS = (Exception, SystemExit, KeyboardInterrupt, ProcessExit)
 """What user code may raise that is its failure, not the command's: a sys.exit(0) in it must not end
 the command with exit 0, a KeyboardInterrupt it raises itself must not end it with a traceback (a
 real Ctrl-C never raises in the trainer: ``guards.preemption.catch_signals`` turns it into a stop
-request)."""
+request), an ``os._exit`` under ``no_process_exit`` is a ``ProcessExit``."""
+
+
+@contextlib.contextmanager
+def no_process_exit() -> Iterator[None]:
+    """``os._exit`` raises ``ProcessExit`` inside the with-block instead of ending the process.
+
+    For user code run in the command's own process (the trainer's reward): ``os._exit`` skips every
+    handler, so nothing after it could say what happened. A segfault or a hang still cannot be
+    caught in-process; ``python -m gradnorm.audit`` runs its user code in a child process for those
+    (``gradnorm.audit.cli.main(isolate=True)``).
+    """
+
+    def refuse(code: int) -> None:
+        raise ProcessExit(code)
+
+    real, os._exit = os._exit, refuse
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def describe(err: BaseException, quoted: bool = False) -> str:
@@ -39,6 +70,8 @@ def describe(err: BaseException, quoted: bool = False) -> str:
     """
     if isinstance(err, SystemExit):
         return f"SystemExit({err.code!r})"
+    if isinstance(err, ProcessExit):
+        return f"os._exit({err.code!r})"
     if quoted:
         return f"{type(err).__name__}({str(err)!r})"
     return " ".join(f"{type(err).__name__}: {err}".split())

@@ -13,12 +13,13 @@ import inspect
 import math
 import numbers
 import re
+import sys
 from collections.abc import Callable
 from fractions import Fraction
 
 import torch
 
-from gradnorm.cli.usercode import USER_EXITS, UserCodeError, describe, load_function, user_frames
+from gradnorm.cli.usercode import USER_EXITS, UserCodeError, describe, load_function, no_process_exit, user_frames
 
 # ---------------------------------------------------------------------------------------------
 # Rewards: reward(response_text, answer) -> float, in a registry
@@ -73,7 +74,8 @@ def get_reward(name: str) -> RewardFn:
     if ":" not in name:
         raise ValueError(f"unknown reward {name!r}: expected one of {', '.join(sorted(REWARDS))} or package.module:function")
     try:
-        fn = load_function(name, files=False)
+        with no_process_exit():
+            fn = load_function(name, files=False)
     except UserCodeError as err:
         raise _cannot_load(name, err) from None
     try:
@@ -92,12 +94,20 @@ def reward_name(fn: RewardFn) -> str:
 
 
 def call_reward(fn: RewardFn, response: str, answer: str, index: int) -> float:
-    """``fn(response, answer)`` as a finite float; a RewardError naming the sequence otherwise."""
+    """``fn(response, answer)`` as a float32-finite float; a RewardError naming the sequence otherwise.
+
+    ``os._exit`` in ``fn`` is an error too (``no_process_exit``), and so is closing sys.stdout, which
+    the trainer's next line of progress would trip over far from the cause.
+    """
     try:
-        value = fn(response, answer)
+        with no_process_exit():
+            value = fn(response, answer)
     except USER_EXITS as err:
         raise RewardError(f"reward function {reward_name(fn)} raised {describe(err, quoted=True)} on sequence {index} "
                           f"(answer {answer!r})", err) from None
+    if sys.stdout is not None and sys.stdout.closed:
+        raise RewardError(f"reward function {reward_name(fn)} closed sys.stdout on sequence {index}; a reward must "
+                          "leave the trainer's output streams open (print, or log to a file of its own)")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if not isinstance(value, numbers.Real):
@@ -106,7 +116,13 @@ def call_reward(fn: RewardFn, response: str, answer: str, index: int) -> float:
     if not math.isfinite(value):
         raise RewardError(f"reward function {reward_name(fn)} returned {value} on sequence {index}; rewards must be "
                           "finite numbers")
+    if abs(value) > FLOAT32_MAX:  # finite here, inf once the rewards become the float32 tensor of the rollout
+        raise RewardError(f"reward function {reward_name(fn)} returned {float(value):.4g} on sequence {index}, beyond "
+                          f"float32's range (|reward| <= {FLOAT32_MAX:.4g}), in which the trainer keeps rewards")
     return float(value)
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 # A number as people write them: -12, 1,234 (thousands separators), 3.5, 3/4.
