@@ -252,3 +252,58 @@ def test_percent_never_reads_zero_for_a_nonzero_change():
     assert verdict.percent(3e-5) == "0.003%" and verdict.percent(3.14e-10) == "3.1e-08%"
     # float rounding, at or below the audit's tolerance, is no signal: it reads 0.0% (the control: just above it)
     assert verdict.percent(1.4e-14, rounding=1e-9) == "0.0%" and verdict.percent(3e-9, rounding=1e-9) == "3e-07%"
+
+
+def token_mean_in(dtype):
+    def loss(logp, old_logp, advantages, mask, num_tokens, world_size):
+        per = torch.where(mask, -advantages.unsqueeze(-1) * logp, 0.0).to(dtype)  # the token loss rounded to 16 bits
+        return per.sum() / num_tokens * world_size
+    loss.__name__ = f"token_mean_in_{str(dtype).split('.')[-1]}"
+    return loss
+
+
+@pytest.mark.parametrize("dtype, says", [
+    (torch.float16, "which is gradnorm's `token` to within the rounding of float16 or bfloat16 ("),
+    (torch.bfloat16, "which is gradnorm's `token` to within the rounding of bfloat16 ("),
+])
+def test_a_16_bit_token_mean_is_named_as_token_rounded_not_as_an_odd_constant(dtype, says):
+    """Before, a float16 token mean read "equals a constant denominator C = 954.987" (N = 955)."""
+    report = decide.audit(token_mean_in(dtype), (2,), (4,))
+    line = verdict.verdict(report)
+    assert report.equals == "constant" and report.rounded == ("token", says.split("rounding of ")[1][:-2])
+    assert says in line and "audit it in float32" in line, line
+    control = decide.audit(token_mean_in(torch.float64), (2,), (4,))  # full precision: plain `token`, no rounding
+    assert control.rounded is None and verdict.verdict(control).endswith("equals gradnorm's `token`")
+
+
+def test_a_genuine_constant_is_not_taken_for_rounding():
+    report = decide.audit(conventions.token_sum_over_constant, (2,), (4,))
+    assert report.equals == "constant" and report.rounded is None
+    assert "rounding" not in verdict.verdict(report)
+
+
+def test_a_minibatch_on_which_every_mode_ties_says_so_instead_of_naming_local(capsys):
+    """Every response 1 token long: local, token, sequence and group weigh alike. Before, the verdict
+    read "equals gradnorm's `local`", the bug's own mode, for the fix."""
+    code, out, _ = run(capsys, f"{__name__}:the_fix", "--max-new-tokens", "1", *SMALL)
+    line = verdict_of(out)
+    assert code == 0 and "equals gradnorm's `local`, `token`, `sequence`, `group` and a constant C = 16 alike" in line
+    assert "every response 1 token long" in line and "--max-new-tokens above 1" in line, line
+    _, out, _ = run(capsys, f"{__name__}:the_fix", "--max-new-tokens", "2", *SMALL)  # the control: lengths vary
+    assert verdict_of(out).endswith("equals gradnorm's `token`"), verdict_of(out)
+
+
+def token_mean_from_kwargs(logp, old_logp, advantages, mask, **counts):
+    return torch.where(mask, -advantages.unsqueeze(-1) * logp, 0.0).sum() / counts["num_tokens"] * counts["world_size"]
+
+
+def token_mean_from_names(logp, old_logp, advantages, mask, num_tokens, world_size):
+    return torch.where(mask, -advantages.unsqueeze(-1) * logp, 0.0).sum() / num_tokens * world_size
+
+
+def test_a_loss_taking_kwargs_gets_every_count():
+    """Before, a loss written with **counts got no counts at all (KeyError: 'num_tokens')."""
+    by_kwargs = decide.audit(token_mean_from_kwargs, (2,), (4,))
+    by_names = decide.audit(token_mean_from_names, (2,), (4,))  # the control: the counts asked for by name
+    assert by_kwargs.equals == by_names.equals == "token"
+    assert torch.equal(by_kwargs.results[-1].weights, by_names.results[-1].weights)

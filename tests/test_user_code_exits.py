@@ -6,6 +6,7 @@ call) and the loss of the audit (gradnorm.audit.measurement, at import and at ev
 user code, both loaded by gradnorm.cli.usercode; each case below is what a careless function does.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gradnorm.audit.cli import main as audit
+from gradnorm.cli.usercode import ProcessExit, describe, no_process_exit
 from gradnorm.tasks.rewards import RewardError, call_reward, get_reward
 
 
@@ -48,6 +50,14 @@ def test_a_reward_module_that_exits_at_import_is_a_reward_error(tmp_path, monkey
     with pytest.raises(RewardError) as caught:
         get_reward("exiting_reward_module:score")
     assert caught.value.summary == "reward function exiting_reward_module:score failed to import: SystemExit(0)"
+
+
+def test_no_process_exit_turns_os_exit_into_an_exception_and_puts_it_back():
+    real = os._exit
+    with pytest.raises(ProcessExit) as caught, no_process_exit():
+        os._exit(3)
+    assert caught.value.code == 3 and describe(caught.value) == "os._exit(3)"
+    assert os._exit is real  # the control: outside the block os._exit is the real one again
 
 
 LOSSES = '''
@@ -138,3 +148,33 @@ def test_control_the_isolated_command_passes_on_a_real_report():
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr
     assert "verdict: INVARIANT" in done.stdout
+
+
+HANGS = "import time\ndef loss(logp, old_logp, advantages, mask):\n    time.sleep(120)\n    return logp.sum()\n"
+
+
+def test_a_loss_that_hangs_ends_the_command_at_its_timeout_with_no_verdict(tmp_path):
+    """Before, a loss that waited forever (a collective with no peers) hung the command and its CI job."""
+    (tmp_path / "hangs.py").write_text(HANGS)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gradnorm.audit", f"{tmp_path / 'hangs.py'}:loss", "--timeout", "3"],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.strip() == ("error: the audited code did not finish in 3 s (--timeout): no verdict (a loss that "
+                                   "waits on a collective, a lock or input never returns)")
+    assert time.monotonic() - started < 60  # the child was killed, not waited for
+
+
+def test_the_audit_s_own_failure_in_the_child_is_one_line_not_a_guess_at_the_loss(monkeypatch, capsys):
+    """An error of the audit itself (here: memory, forced) was reported as "exited with code 1 (os._exit in the
+    loss?)" after a traceback; it is one line naming the error."""
+    import gradnorm.audit.cli as cli
+
+    def fails(argv):
+        raise MemoryError("forced")
+
+    monkeypatch.setattr(cli, "_run", fails)
+    code = cli.main(["examples/drop_in_ddp.py:grpo_loss"], isolate=True)  # the child is forked: it sees the patch
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err == "error: the audit failed: MemoryError: forced; no verdict\n", err

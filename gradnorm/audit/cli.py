@@ -31,6 +31,7 @@ from gradnorm.audit.splits import CP_LAYOUTS, Splits
 from gradnorm.audit.synthetic import minibatch_size
 from gradnorm.audit.verdict import format_report
 from gradnorm.cli.oneline import OneLineParser
+from gradnorm.cli.usercode import describe
 from gradnorm.core.sharding import SHARD_KINDS
 
 SHARDINGS = {
@@ -63,6 +64,20 @@ def _at_least(low: int, high: int = 2**63 - 1):
 
 MAX_CELLS = 10**7
 """The largest synthetic minibatch (sequences x max-new-tokens) the audit builds: about 1 GB of tensors."""
+
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds the command waits for the audit's child: a hang in the loss ends the command, not the CI job."""
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 86400], got {text!r}")
+    return value
 
 
 def _tolerance(text: str) -> float:
@@ -165,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_at_least(1, 2**16), default=64, help="the longest response (default 64)")
     p.add_argument("--seed", type=_at_least(0), default=0, help="seed of the synthetic minibatch (default 0)")
     p.add_argument("--tol", type=_tolerance, default=1e-6, help="relative tolerance of every comparison (default 1e-6)")
+    p.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help=f"python -m gradnorm.audit: give up, with no verdict, when the audit (the loss's import and "
+                        f"every call) has not finished in SECONDS (default {DEFAULT_TIMEOUT:g})")
     return p
 
 
@@ -232,7 +250,7 @@ def _isolated(argv: Sequence[str] | None) -> int:
     through a pipe, or nothing came."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        _parser().parse_args(argv)  # --help and bad flags answer here, at once, without a child
+        timeout = _parser().parse_args(argv).timeout  # --help and bad flags answer here, at once, without a child
     except ContractError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -243,6 +261,12 @@ def _isolated(argv: Sequence[str] | None) -> int:
     child.start()
     send.close()
     try:
+        if not receive.poll(timeout):
+            child.kill()
+            child.join()
+            print(f"error: the audited code did not finish in {timeout:g} s (--timeout): no verdict (a loss that "
+                  "waits on a collective, a lock or input never returns)", file=sys.stderr)
+            return 2
         try:
             printed, said, code = receive.recv()
         except EOFError:  # the child ended without a report
@@ -268,7 +292,11 @@ def _child(argv: list[str], send) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent takes Ctrl-C, and ends this process
     printed, said = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):  # the loss's own prints come too
-        code = _run(argv)
+        try:
+            code = _run(argv)
+        except BaseException as err:  # the audit's own failure (user code's is a ContractError inside _run)
+            said.write(f"error: the audit failed: {describe(err)}; no verdict\n")
+            code = 2
     send.send((printed.getvalue(), said.getvalue(), code))
     send.close()
 
@@ -276,17 +304,18 @@ def _child(argv: list[str], send) -> None:
 def _run(argv: Sequence[str] | None) -> int:
     try:
         args = _parser().parse_args(argv)
+        splits = _splits(args)
         unit = 2 if args.objective == "dpo" else 1  # a pair is two rows
         group = 1 if args.objective == "dpo" else args.group_size
         sizes = [w * a for w in args.world_size for a in args.accum_steps]
-        cells = unit * minibatch_size(sizes, group) * args.max_new_tokens
+        cells = unit * minibatch_size([s * splits.granularity for s in sizes], group) * args.max_new_tokens
         if cells > MAX_CELLS:  # the least common multiple of the layouts sets the minibatch: it grows fast
-            raise ContractError(f"--world-size x --accum-steps x --group-size x --max-new-tokens ask for a minibatch of "
-                                f"{cells} tokens (more than {MAX_CELLS}); audit fewer or smaller layouts")
+            what = " x --pipeline-microbatches" if splits.granularity > 1 else ""
+            raise ContractError(f"--world-size x --accum-steps{what} x --group-size x --max-new-tokens ask for a "
+                                f"minibatch of {cells} tokens (more than {MAX_CELLS}); audit fewer or smaller layouts")
         if args.pack and max(sizes) * args.pack > MAX_CELLS:  # every microbatch gets rows of --pack positions
             raise ContractError(f"--pack {args.pack} gives each of up to {max(sizes)} microbatches rows of {args.pack} "
                                 f"positions, more than {MAX_CELLS} in all; pack into shorter rows")
-        splits = _splits(args)
         convention = Convention(args.scale_by_accum, args.reduction, args.cp_reduction or "mean",
                                 args.pipeline_combine or "sum")
         with imported_loss(args.loss) as loss_fn:  # a file's neighbours stay importable until the audit ends

@@ -3,7 +3,8 @@
 ``loss_fn(logp, old_logp, advantages, mask, **asked)`` -> a scalar tensor, the loss of one
 microbatch of n sequences: ``logp`` (n, T) float64, the leaf; ``old_logp`` (n, T);
 ``advantages`` (n,); ``mask`` (n, T) bool, the response tokens. Only the keywords it names in
-its signature are passed (``COUNTS``): the global counts a fixed trainer all-reduces.
+its signature are passed (``COUNTS``): the global counts a fixed trainer all-reduces; a loss that
+takes ``**kwargs`` gets all of them there.
 
 A loss that cannot be audited, unimportable or breaking the contract, is a ``ContractError``:
 one line, no traceback. ``load_loss`` and ``imported_loss`` load it by name, as

@@ -64,6 +64,12 @@ class Near:
     factors: tuple[float, ...]  # c of each configuration, in the order of Report.results
 
 
+ROUNDING = (("float16 or bfloat16", 2 * 2.0**-11), ("bfloat16", 2 * 2.0**-8))
+"""How far a 16-bit float's rounding moves a weight (two unit roundoffs: a weight is rounded once or
+twice on its way through the loss), narrowest first: within float16's either dtype may have done it
+(bfloat16 rounds some numbers by less), beyond it only bfloat16."""
+
+
 @dataclass
 class Report:
     """The audit of one loss: its weights under every configuration, and the verdict."""
@@ -103,6 +109,20 @@ class Report:
     def equals(self) -> str | None:
         """The first gradnorm mode whose weights these are, under every configuration, or None."""
         return self.matches[0] if self.matches else None
+
+    @property
+    def rounded(self) -> tuple[str, str] | None:
+        """(mode, dtype): an invariant loss that equals a constant (or no mode) only because its
+        weights are a mode's rounded to a 16-bit float, e.g. a float16 token mean, whose uniform
+        weights fp16(1/N) fit some C near N. The dtype is the narrowest whose rounding explains the
+        distance (``ROUNDING``); None when no mode is that close, or when the loss matches a mode outright."""
+        if not self.invariant or self.equals not in (None, "constant"):
+            return None
+        close = [(self.distance[m], m) for m in self.modes if m != "constant" and math.isfinite(self.distance[m])]
+        if not close:
+            return None
+        gap, mode = min(close)
+        return next(((mode, name) for name, bound in ROUNDING if gap <= bound), None)
 
     @property
     def invariant(self) -> bool:

@@ -102,6 +102,14 @@ def _inputs(point: Point, batch: SyntheticBatch, layout: Layout, call, leaf: Ten
         "rejected": rejected[call.index]}
 
 
+def _asked(offered: dict, signature: inspect.Signature) -> dict:
+    """The offered keywords the loss takes: those it names, or all of them when it takes ``**kwargs``
+    (a loss written as ``loss(logp, ..., **counts)`` reads its counts from there)."""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return dict(offered)
+    return {k: v for k, v in offered.items() if k in signature.parameters}
+
+
 def _signature(fn) -> inspect.Signature:
     try:
         return inspect.signature(fn)
@@ -159,7 +167,7 @@ def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor,
     for call in layout.calls:  # every forward of the step: gradients add up
         leaf = values[call.index].clone().requires_grad_(True)  # (n, L) ALGO LOGIC: the leaf we read
         args, offered = _inputs(point, batch, layout, call, leaf, advantages, counts, response, rejected)
-        asked = {k: v for k, v in offered.items() if k in signature.parameters}
+        asked = _asked(offered, signature)
         where = f"(W={layout.world_size} {layout.label}, {call.where[1:]}"
         try:
             signature.bind(*args, **asked)
@@ -212,7 +220,7 @@ def _call_step(step_fn, batch: SyntheticBatch, layout: Layout, advantages: Tenso
             args, offered = _inputs(point, batch, layout, call, leaf, advantages, counts, response, rejected)
             leaves.append(leaf)
             microbatches.append(dict(zip(point.objective.arguments, args)) | offered)
-        asked = {k: v for k, v in {"world_size": layout.world_size, "rank": rank}.items() if k in signature.parameters}
+        asked = _asked({"world_size": layout.world_size, "rank": rank}, signature)
         where = f"(W={layout.world_size} {layout.label}, rank {rank})"
         try:
             signature.bind(microbatches, **asked)

@@ -163,7 +163,17 @@ def verdict(report: Report) -> str:
         parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask{dropped}")
     if report.masked and not parts[0].startswith("MISCOUNTS"):
         parts.append(masked_clause(report.masked))
-    if report.equals == "constant":
+    if report.rounded:
+        mode, dtype = report.rounded
+        what = f"equals a constant denominator C = {report.constant:.6g}, which is" if report.equals else "equals"
+        parts.append(f"{what} gradnorm's `{mode}` to within the rounding of {dtype} ({percent(report.distance[mode])} "
+                     f"off): the loss computes its weights in {dtype}; audit it in float32 to tell them apart")
+    elif report.equals == "local" and len(report.matches) > 1:  # the bug's mode, only because nothing tells them apart
+        named = [f"a constant C = {report.constant:.6g}" if m == "constant" else f"`{m}`" for m in report.matches]
+        parts.append(f"equals gradnorm's {', '.join(named[:-1])} and {named[-1]} alike: on this synthetic minibatch "
+                     f"({_sameness(report)}) they give every token the same weight, so the audit cannot tell them "
+                     "apart; audit with a minibatch whose lengths vary (--max-new-tokens above 1)")
+    elif report.equals == "constant":
         parts.append(f"equals a constant denominator C = {report.constant:.6g}")
     elif report.equals:
         parts.append(f"equals gradnorm's `{report.equals}`")
@@ -178,6 +188,14 @@ def verdict(report: Report) -> str:
     elif not report.skewed_only_by_unequal_counts and not clauses:  # the clauses above name the mode
         parts.append("equals no gradnorm mode")
     return "; ".join(parts)
+
+
+def _sameness(report: Report) -> str:
+    """What makes the modes tie on this minibatch, as far as its lengths say."""
+    lengths = report.batch.response.sum(-1)
+    if int(lengths.min()) == int(lengths.max()):
+        return f"every response {int(lengths.min())} token{'s' if int(lengths.min()) != 1 else ''} long"
+    return f"responses of {int(lengths.min())} to {int(lengths.max())} tokens, split alike"
 
 
 def _minibatch_line(report: Report) -> str:
