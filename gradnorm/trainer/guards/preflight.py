@@ -177,16 +177,37 @@ def _numel(shape: list[int]) -> int:
 
 
 def _check_cached_when_offline(name: str) -> None:
-    # Online, a Hub id is checked when it loads (one line if it is not found). Offline, a missing
-    # download is known now, instead of after the loader's retries.
-    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    if not offline:
-        return
-    from huggingface_hub import try_to_load_from_cache
+    # A cached Hub id loads. One that is not must come from the Hub: offline, or with the Hub out of
+    # reach, that is known now, in one line, instead of after the loader's retries (about 50 s).
+    # Online, a wrong id is checked when it loads (one line if it is not found).
+    from huggingface_hub import constants, try_to_load_from_cache
 
-    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-        raise ValueError(f"--model {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is set; "
-                         "download it first, or give a local directory")
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    local = f"no directory {name} here (a local model: give its path, e.g. ./{name})"
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline:
+        raise ValueError(f"--model {name}: {local}, and as a Hub id it is not in the local Hugging Face cache, with "
+                         "HF_HUB_OFFLINE set; download it first, or give a local directory")
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT  # https://huggingface.co by default
+    if (why := _unreachable(endpoint)) is not None:
+        raise ValueError(f"--model {name}: {local}, and as a Hub id it is not in the local Hugging Face cache and "
+                         f"{endpoint} cannot be reached ({why}); download it where there is a network, or give a "
+                         "local directory")
+
+
+def _unreachable(url: str, timeout: float = 3.0) -> str | None:
+    """Why a TCP connection to ``url``'s host cannot be made within ``timeout`` seconds, or None."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=timeout).close()
+    except OSError as err:
+        return getattr(err, "strerror", None) or type(err).__name__
+    return None
 
 
 def check_inputs(cfg: TrainConfig) -> None:
