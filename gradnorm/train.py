@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         if run_dir is not None:
             run_dir.close(succeeded=False)
-        failures.report_error(str(err), rank)
+        failures.report_error(str(err), 0 if isinstance(err, launch.NoLauncher) else rank)
         return 2
     except OSError as err:  # output-dir takes no more files (a full disk) as the run's first ones are written
         if run_dir is not None:

@@ -46,7 +46,31 @@ def launch_environment(environ=os.environ) -> tuple[int, int]:
         raise ValueError(f"the environment sets {given} but no launcher started this process (no TORCHELASTIC_RUN_ID "
                          "from torchrun, no SLURM_PROCID equal to RANK): a leftover of another launch? unset "
                          f"{' '.join(present)} to run one process, or launch with torchrun")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        check_agent_store(environ)
     return rank, world_size
+
+
+class NoLauncher(ValueError):
+    """torchrun's variables, and no live launcher behind them: the process is alone, so it reports
+    as rank 0 does, at once (other ranks wait for rank 0 to speak first: ``failures.report_error``)."""
+
+
+def check_agent_store(environ=os.environ, timeout: float = 5.0) -> None:
+    """torchrun's agent serves the job's store at MASTER_ADDR:MASTER_PORT before it starts a worker;
+    none answering there means the variables were copied from a job that has ended. Without this,
+    joining retries for about 50 s, printing C++ connection errors, before it fails."""
+    import socket
+
+    host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        why = getattr(err, "strerror", None) or type(err).__name__
+        raise NoLauncher(f"the environment names torchrun job {environ['TORCHELASTIC_RUN_ID']!r}, but no store answers "
+                         f"at MASTER_ADDR:MASTER_PORT {host}:{port} ({why}): copied from a launch that has ended? unset "
+                         "RANK WORLD_SIZE MASTER_ADDR MASTER_PORT and the TORCHELASTIC_* variables to run one process, "
+                         "or launch with torchrun") from None
 
 
 def launched_by_an_agent(environ=os.environ) -> bool:
