@@ -17,6 +17,7 @@ from pathlib import Path
 from gradnorm.core.denominators import parse_denominator
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
 from gradnorm.trainer.config import TrainConfig, changeable_on_resume
+from gradnorm.trainer.guards import outpaths
 from gradnorm.trainer.rundir.lock import now
 
 
@@ -145,5 +146,17 @@ def resume_point(cfg: TrainConfig, world_size: int | None = None) -> Path | None
     done = re.match(r"ckpt_step(\d+)", path.name)
     if done and int(done.group(1)) >= cfg.steps:
         raise ValueError(f"--resume: {path} is at step {done.group(1)} and --steps is {cfg.steps}: nothing to do; "
-                         "raise --steps to continue the run")
+                         f"raise --steps to continue the run{_unfinished_export(cfg, path)}")
     return path
+
+
+def _unfinished_export(cfg: TrainConfig, ckpt: Path) -> str:
+    """A finished run whose end-of-run export never completed (killed, or a full disk): the command
+    that writes it from the last checkpoint, for "nothing to do" to name."""
+    out = cfg.export_dir
+    if out is None or outpaths.is_export(out):
+        return ""
+    left = outpaths.temporary(out)
+    why = f"a killed export left {left}" if left.exists() else f"no {out}"
+    return (f"; the run's export did not finish ({why}): python -m gradnorm.export {cfg.output_dir} --out {out} "
+            f"writes it from {ckpt.name}")
