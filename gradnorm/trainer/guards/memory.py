@@ -138,12 +138,21 @@ def check_fits(cfg: TrainConfig, world_size: int, device: torch.device, sharing:
     if need <= free:
         return
     worst = max(parts, key=parts.get)
-    flags = WHAT.get(worst, "--prompts-per-step {cfg.prompts_per_step} x --group-size {cfg.group_size}").format(cfg=cfg)
-    if prompt_len is not None and worst != "static":
-        flags += f", prompts of up to {prompt_len} tokens"
+    if worst == "static":  # the model's size alone: its flags, not the batch's
+        params = f"{shape['params'] / 1e9:.3g}B parameters" if shape["params"] >= 1e8 else f"{shape['params']:,} parameters"
+        if cfg.builtin:
+            flags = f"--n-layer {cfg.n_layer} x --n-embd {cfg.n_embd}, {params}"
+            advice = ("the weights, gradients and AdamW state alone need that: lower --n-embd or --n-layer, or "
+                      "--parallel fsdp over more ranks")
+        else:
+            flags, advice = f"--model {cfg.model}, {params}", ADVICE["static"]
+    else:
+        flags = WHAT.get(worst, "--prompts-per-step {cfg.prompts_per_step} x --group-size {cfg.group_size}").format(cfg=cfg)
+        if prompt_len is not None:
+            flags += f", prompts of up to {prompt_len} tokens"
+        flags, advice = f"{flags}, --max-new-tokens {cfg.max_new_tokens}", ADVICE[worst]
     raise ValueError(f"this configuration needs at least {size(need)} per rank on {device} ({worst} "
-                     f"{size(parts[worst])}: {flags}, --max-new-tokens {cfg.max_new_tokens}), but {size(free)} are free; "
-                     f"{ADVICE[worst]}")
+                     f"{size(parts[worst])}: {flags}), but {size(free)} are free; {advice}")
 
 
 def check_prompt_length(cfg: TrainConfig, prompt_len: int, world_size: int, device: torch.device,
