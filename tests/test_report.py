@@ -257,3 +257,28 @@ def test_the_command_line_stops_on_a_broken_wandb_before_building_anything(tmp_p
     err = one_line(proc.returncode, proc.stdout, proc.stderr)
     assert "--report-to wandb: cannot import wandb (protobuf 3 is too old)" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kept, says", [
+    (b"\x00\xffgarbage\n", "holds no W&B run id ('\\x00\\ufffdgarbage'); delete it to log this resumed run as a new"),
+    (b"", "holds no W&B run id (''); delete it"),
+    (None, "is a directory, not the file that keeps the W&B run's id; remove it"),
+])
+def test_a_torn_or_replaced_run_id_file_is_one_line_naming_it(kept, says, tmp_path, monkeypatch, report_extra):
+    """Before, a corrupted wandb/run_id failed in wandb.init with "unset WANDB_MODE to log offline" (it was
+    offline already), and a directory there was an IsADirectoryError."""
+    from gradnorm.trainer.config import parse_config
+    from gradnorm.trainer.rundir.reporters import Reporters, read_run_id
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "wandb").mkdir()
+    id_file = tmp_path / "wandb" / "run_id"
+    if kept is None:
+        id_file.mkdir()
+    else:
+        id_file.write_bytes(kept)
+    with pytest.raises(ValueError) as caught:
+        Reporters(parse_config([*QUICK, "--report-to", "wandb"]), tmp_path, 1, step=3)
+    assert str(caught.value).startswith(f"--report-to wandb: {id_file} ") and says in str(caught.value), caught.value
+    id_file.rmdir() if kept is None else id_file.write_text("0123abcd\n")  # the control: an id this trainer writes
+    assert kept is None or read_run_id(id_file) == "0123abcd"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -26,6 +27,19 @@ def numeric(record: dict) -> dict[str, float]:
     """The numeric keys of a metrics line, step aside (no None, bool, string or list)."""
     return {k: v for k, v in record.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""What a W&B run id may be: letters, digits, - and _ (this trainer writes 8 hex digits)."""
+
+
+def read_run_id(id_file: Path) -> str:
+    """The W&B run id kept in ``id_file``, or a one-line ValueError when the file holds none (torn, overwritten)."""
+    text = id_file.read_bytes().decode("utf-8", errors="replace").strip()
+    if not RUN_ID.fullmatch(text):
+        raise ValueError(f"--report-to wandb: {id_file} holds no W&B run id ({ascii(text[:40])}); delete it to log this "
+                         "resumed run as a new W&B run")
+    return text
 
 
 class Reporters:
@@ -48,7 +62,10 @@ class Reporters:
             (out / "wandb").mkdir(exist_ok=True)
             id_file = out / "wandb" / "run_id"
             known = step > 0 and id_file.is_file()
-            run_id = id_file.read_text().strip() if known else secrets.token_hex(4)
+            run_id = read_run_id(id_file) if known else secrets.token_hex(4)
+            if id_file.exists() and not id_file.is_file():
+                raise ValueError(f"--report-to wandb: {id_file} is a directory, not the file that keeps the W&B run's "
+                                 "id; remove it (the run's W&B curve then starts afresh)")
             id_file.write_text(run_id + "\n")
             # rewinding to step k drops what an interrupted start logged after its checkpoint
             which = dict(resume_from=f"{run_id}?_step={step}") if known else dict(id=run_id)
@@ -59,8 +76,9 @@ class Reporters:
                                          **which)
             except Exception as err:  # online without a login or a network, say: one line, exit 1
                 self.close(exit_code=1)
-                raise ValueError(f"--report-to wandb: wandb.init failed ({first_line(err)}); unset WANDB_MODE "
-                                 "to log offline") from None
+                hint = "; unset WANDB_MODE to log offline" if not self._offline else (
+                    f"; it was resuming W&B run {run_id} (from {id_file}) at step {step}" if known else "")
+                raise ValueError(f"--report-to wandb: wandb.init failed ({first_line(err)}){hint}") from None
 
     def log(self, record: dict) -> None:
         """Every numeric key of a metrics line, under its own name, at the line's step."""
