@@ -168,6 +168,12 @@ CASES = {
     "env-stale-torchrun": Case(["--timeout-s", "10"], "sets RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 "
                                "but no launcher started this process (no TORCHELASTIC_RUN_ID",
                                env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
+    # every variable of a torchrun worker, copied from a job that has ended: before, 50 s of C++ retries
+    "env-copied-from-an-ended-torchrun-job": Case(
+        [], "the environment names torchrun job 'ended', but no store answers at MASTER_ADDR:MASTER_PORT 127.0.0.1:9 "
+        "(Connection refused): copied from a launch that has ended?",
+        env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "LOCAL_RANK": "1",
+             "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "ended", "TORCHELASTIC_USE_AGENT_STORE": "True"}),
     "env-local-world-size-0": Case([], "LOCAL_WORLD_SIZE=0: expected the number of processes of this job on this host",
                                    env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                                         "TORCHELASTIC_RUN_ID": "test", "LOCAL_WORLD_SIZE": "0"}),
@@ -180,6 +186,16 @@ CASES = {
     "model-missing-relative": Case(hf([], model="examples/no-such-model"), "--model examples/no-such-model: no such directory"),
     "model-missing-dot": Case(hf([], model="./no-such-model"), "--model ./no-such-model: no such directory"),
     "model-not-a-name": Case(hf([], model="my model!"), "is neither an existing directory nor a Hub id"),
+    # a bare name with no such directory is a Hub id: uncached and out of reach, it fails at once (before: 50 s of
+    # the loader's retries, then "cannot load its tokenizer (We couldn't connect to 'https://huggingface.co' ...)")
+    "model-missing-bare-name-hub-unreachable": Case(
+        hf([], model="tiny-llama"), "--model tiny-llama: no directory tiny-llama here (a local model: give its path, "
+        "e.g. ./tiny-llama), and as a Hub id it is not in the local Hugging Face cache and http://127.0.0.1:9 cannot be "
+        "reached (Connection refused)", env={"HF_ENDPOINT": "http://127.0.0.1:9"}),
+    "model-missing-bare-name-offline": Case(
+        hf([], model="tiny-llama"), "--model tiny-llama: no directory tiny-llama here (a local model: give its path, "
+        "e.g. ./tiny-llama), and as a Hub id it is not in the local Hugging Face cache, with HF_HUB_OFFLINE set",
+        env={"HF_HUB_OFFLINE": "1"}),
     "model-without-config": Case(hf([]), "config.json is missing", setup=lambda case: (case / "model").mkdir()),
     "model-torn-safetensors": Case(hf([]), "model.safetensors is truncated or corrupt",
                                    setup=lambda case: fake_model(case / "model", truncate=True)),

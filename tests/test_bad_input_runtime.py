@@ -441,9 +441,15 @@ def test_the_rollout_estimate_is_the_size_of_the_real_kv_cache_and_prefill_logit
     (["--eval-prompts", "1000000"], "eval", "(eval 3.4 GiB: --eval-prompts 1000000, --max-new-tokens 20)"),
     (["--warmup-batch", "1000000"], "warmup", "--warmup-batch 1000000, --max-new-tokens 20), but 1.0 GiB are free; "
                                               "the warm-up trains on whole sequences in one batch: lower --warmup-batch"),
+    # the model alone: before, the line named the batch's flags and "a smaller --model" for the built-in model
+    # (a layer of width d holds 12 d^2 weights: 12 x 65536^2 = 51.5B)
+    (["--n-embd", "65536"], "static", "GiB: --n-layer 1 x --n-embd 65536, 51.5B parameters), but 1.0 GiB are free; "
+                                      "the weights, gradients and AdamW state alone need that: lower --n-embd or "
+                                      "--n-layer, or --parallel fsdp over more ranks"),
 ])
 def test_the_estimate_covers_the_evaluation_and_the_warm_up(flags, part, says, monkeypatch):
-    """Before, --eval-prompts 1000000 and --warmup-batch 1000000 passed: only a step's batch was counted."""
+    """Before, --eval-prompts 1000000 and --warmup-batch 1000000 passed: only a step's batch was counted.
+    Each part's line names the flags behind it."""
     monkeypatch.setattr(memory, "available", lambda device: 2**30)
     memory.check_fits(parse_config(TINY), 1, torch.device("cpu"))  # the control: the small run fits 1 GiB
     cfg = parse_config([*TINY, *flags])
@@ -511,3 +517,28 @@ def test_under_torchrun_rank_0s_error_line_comes_first(kind, tmp_path):
     assert first.startswith("error: ") and says in first, proc.stderr
     assert sum(line.startswith("error: ") for line in proc.stderr.splitlines()) == 1, proc.stderr
     assert "rank 1:" not in proc.stderr  # rank 1 was stopped by torchrun while it waited
+
+
+def test_nothing_to_do_names_the_export_a_killed_end_of_run_export_left_unfinished(tmp_path):
+    """A run killed in its end-of-run export has every step done; --resume said only "raise --steps",
+    never the command that writes the export from the last checkpoint."""
+    from gradnorm.trainer.guards import outpaths
+    from gradnorm.trainer.rundir.history import resume_point, write_config
+
+    prompts, model, run = tmp_path / "p.jsonl", tmp_path / "model", tmp_path / "run"
+    prompts.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    model.mkdir()
+    flags = ["--model", str(model), "--prompts", str(prompts), "--steps", "2", "--output-dir", str(run)]
+    run.mkdir()
+    write_config(run, parse_config(flags), 1, 0)
+    (run / "ckpt_step2").mkdir()
+    outpaths.create(outpaths.temporary(run / "final"))  # what a kill mid-export leaves: run/.final.tmp, marked
+    with pytest.raises(ValueError) as caught:
+        resume_point(parse_config([*flags, "--resume"]))
+    assert str(caught.value).endswith(
+        f"raise --steps to continue the run; the run's export did not finish (a killed export left {run}/.final.tmp): "
+        f"python -m gradnorm.export {run} --out {run}/final writes it from ckpt_step2")
+    outpaths.temporary(run / "final").rename(run / "final")  # the control: the export finished
+    with pytest.raises(ValueError) as caught:
+        resume_point(parse_config([*flags, "--resume"]))
+    assert str(caught.value).endswith("raise --steps to continue the run")

@@ -13,7 +13,6 @@ Faults are injected by a wrapper script, not by a hook in the trainer.
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
