@@ -542,3 +542,14 @@ def test_nothing_to_do_names_the_export_a_killed_end_of_run_export_left_unfinish
     with pytest.raises(ValueError) as caught:
         resume_point(parse_config([*flags, "--resume"]))
     assert str(caught.value).endswith("raise --steps to continue the run")
+
+
+def test_the_hub_probe_gives_no_verdict_behind_a_proxy(monkeypatch):
+    """A cluster that reaches the Hub through HTTPS_PROXY must not be told the Hub is out of reach."""
+    from gradnorm.trainer.guards.preflight import _unreachable
+
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert _unreachable("https://127.0.0.1:9") == "Connection refused"  # the control: no proxy, a closed port
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert _unreachable("https://127.0.0.1:9") is None

@@ -197,11 +197,16 @@ def _check_cached_when_offline(name: str) -> None:
 
 
 def _unreachable(url: str, timeout: float = 3.0) -> str | None:
-    """Why a TCP connection to ``url``'s host cannot be made within ``timeout`` seconds, or None."""
+    """Why a TCP connection to ``url``'s host cannot be made within ``timeout`` seconds, or None.
+
+    Behind a proxy the host is reached through it, not directly: no verdict then (None)."""
     import socket
+    import urllib.request
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
+    if urllib.request.getproxies().get(parts.scheme) or urllib.request.getproxies().get("all"):
+        return None
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         socket.create_connection((parts.hostname or "", port), timeout=timeout).close()
