@@ -124,3 +124,19 @@ def test_a_failure_on_rank_1_is_rank_0s_one_line_and_no_rank_prints_a_traceback(
     # Only torchrun's own ChildFailedError report may hold a traceback, after every worker has ended.
     assert "Traceback" not in "\n".join(mine), err
     assert err.count("Traceback") <= 1 and "RuntimeError" not in err and "gloo/transport" not in err, err
+
+
+@pytest.mark.parametrize("message, peer", [
+    # what gloo raises on rank 0 when rank 1 is stopped (SIGSTOP) inside a checkpoint's collective
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv operation", True),
+    ("Application timeout caused pair closure", True),
+    ("Connection reset by peer", True),
+    ("CUDA error: an illegal memory access was encountered", False),  # the control: a failure of this rank's own
+    ("shape '[2, 3]' is invalid for input of size 7", False),
+])
+def test_a_collective_that_failed_because_of_a_peer_is_told_from_a_failure_of_this_rank(message, peer):
+    """Before, a rank SIGSTOPped during a save left rank 0 with a traceback: "Application timeout caused pair
+    closure" was not among the peer failures, so the error was taken for rank 0's own."""
+    from gradnorm.dist.comm import is_collective_failure
+
+    assert is_collective_failure(RuntimeError(message)) is peer
