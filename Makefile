@@ -37,11 +37,11 @@ COV ?= --cov=gradnorm --cov-report=term-missing:skip-covered
 test: install
 	$(PY) -m pytest --nbmake $(COV)
 
-# The edit loop: every test not marked slow or browser (no end-to-end training runs, no notebooks,
-# no browser, no coverage; spawned gloo ranks and a few short launches stay). `make test` stays the
-# whole suite and CI's command.
+# The edit loop: every test that runs in pytest's own process (none marked slow, browser or launch:
+# no training runs, spawned ranks, subprocesses, notebooks, browser or coverage). `make test` stays
+# the whole suite and CI's command.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not browser"
+	$(PY) -m pytest -q -m "not slow and not browser and not launch"
 
 figures: install
 	$(PY) figures/make_figures.py

@@ -310,6 +310,7 @@ def command_runs(tmp_path_factory):
     return json.loads(out), done
 
 
+@pytest.mark.launch
 def test_importing_the_audit_loads_no_distributed_code_of_its_own(command_runs):
     # `import torch` itself loads torch.nn.parallel (DDP's module, via torch.nn) in torch 2.x, so
     # the check is on what importing gradnorm.audit adds on top of torch, plus gradnorm's own modules.
@@ -317,6 +318,7 @@ def test_importing_the_audit_loads_no_distributed_code_of_its_own(command_runs):
     assert driver["imports"] == []
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("case", list(BREAKS))
 def test_every_broken_contract_is_one_error_line(case, command_runs):
     code, out, err = command_runs[0]["runs"][case]
@@ -325,6 +327,7 @@ def test_every_broken_contract_is_one_error_line(case, command_runs):
     assert BREAKS[case][1] in err, err
 
 
+@pytest.mark.launch
 def test_the_command_exits_0_or_1_on_the_catalogue(command_runs):
     assert set(EXPECTED_EXIT) == set(conventions.CATALOGUE)
     for name, expected in EXPECTED_EXIT.items():
@@ -333,6 +336,7 @@ def test_the_command_exits_0_or_1_on_the_catalogue(command_runs):
         assert out.splitlines()[-1].startswith("verdict: " + ("INVARIANT" if expected == 0 else "SKEWED"))
 
 
+@pytest.mark.launch
 def test_the_real_entry_point(command_runs):
     real = command_runs[1]
     code, out, err = real["real error"]

@@ -305,6 +305,7 @@ def cli_results(tmp_path_factory):
         return dict(zip(CLI, pool.map(lambda name: launch(name, base), CLI)))
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", CLI)
 def test_the_command_line_says_the_same_in_one_line(name, cli_results):
     proc, before, after, directory = cli_results[name]

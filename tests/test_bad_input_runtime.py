@@ -318,6 +318,7 @@ def every_file(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
+@pytest.mark.launch
 def test_a_stale_lock_is_taken_over_with_a_warning_and_a_live_one_is_not(tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -373,6 +374,7 @@ ENDS_THE_TRAINER = {
 }
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("when", ENDS_THE_TRAINER)
 def test_a_reward_calling_os_exit_is_a_reward_error_not_the_end_of_the_trainer(when, tmp_path):
     """os._exit(0) in a reward ended the trainer at once with exit 0 and no output: a success to CI.

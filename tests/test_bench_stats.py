@@ -51,6 +51,7 @@ def test_readme_block_is_replaced_between_its_markers(tmp_path):
         bench.update_readme(readme, "x")
 
 
+@pytest.mark.launch
 def test_the_trl_race_skips_with_one_line_without_trl(tmp_path):
     # a sitecustomize that hides trl, as on a machine without the bench extra
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['trl'] = None\n")

@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from test_reliability import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.launch
 def test_a_reader_that_closes_stdout_does_not_end_the_run(tmp_path):
     # `train.py ... | head -1`: before, the next step line raised BrokenPipeError and the run died
     # without its checkpoint. The control is the pipe itself: it really is closed after one line.

@@ -49,6 +49,7 @@ def fill(directory: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.launch
 def test_a_full_disk_before_the_first_file_is_one_line(small_disk, capsys):
     disk = small_disk(1 << 20)
     fill(disk)
@@ -56,6 +57,7 @@ def test_a_full_disk_before_the_first_file_is_one_line(small_disk, capsys):
     one_error_line(capsys.readouterr().err, "(No space left on device); nothing was trained")
 
 
+@pytest.mark.launch
 def test_a_full_disk_at_a_checkpoint_names_it_and_leaves_no_temporary_files(small_disk, capsys):
     disk = small_disk(64 << 10)  # the records fit, a checkpoint of the tiny model does not
     out = disk / "run"
@@ -66,6 +68,7 @@ def test_a_full_disk_at_a_checkpoint_names_it_and_leaves_no_temporary_files(smal
     assert not list(out.glob(".ckpt_step*.tmp")) and not list(out.glob("ckpt_step*"))
 
 
+@pytest.mark.launch
 def test_a_full_disk_while_appending_metrics_is_one_line(small_disk, capsys):
     disk = small_disk(32 << 10)  # a few pages: step lines fill it long before step 400
     out = disk / "run"
@@ -76,6 +79,7 @@ def test_a_full_disk_while_appending_metrics_is_one_line(small_disk, capsys):
     assert not (out / ".config.json.tmp").exists()
 
 
+@pytest.mark.launch
 def test_control_the_same_run_with_room_succeeds(small_disk, capsys):
     disk = small_disk(64 << 20)
     assert main([*TINY, "--output-dir", str(disk / "run"), "--steps", "1", "--save-every", "1"]) == 0

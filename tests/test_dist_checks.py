@@ -13,6 +13,7 @@ def test_ddp_check_rejects_lengths_run_ddp_cannot_build():
         ddp_check([13, 1, 1, 1])
 
 
+@pytest.mark.launch
 def test_ddp_check_on_real_processes():
     checks = ddp_check(ragged_lengths(12, 16), modes=("local", "token"), world_size=2, accum_steps=2)
     assert [c.mode for c in checks] == ["local", "token"]

@@ -131,6 +131,7 @@ def two_ranks():
     return spawn_gloo(ranks_gradients, W, ["local", *FIXED])
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("mode", FIXED)
 def test_two_gloo_ranks_give_the_one_process_gradient_with_one_all_reduce(two_ranks, mode):
     expected = oracle_gradient(mode)
@@ -139,6 +140,7 @@ def test_two_gloo_ranks_give_the_one_process_gradient_with_one_all_reduce(two_ra
         assert rank["collectives"][mode] == 1
 
 
+@pytest.mark.launch
 def test_control_local_differs_when_microbatch_token_counts_differ(two_ranks):
     counts = [n for rank in two_ranks for n in rank["tokens"]]
     assert max(counts) > 3 * min(counts), counts  # sorting by length made the microbatches ragged

@@ -159,6 +159,7 @@ def two_ranks():
     return spawn_gloo(ranks_gradients, W)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("mode", SFT_FIXED)
 def test_sft_on_two_gloo_ranks_gives_the_one_process_gradient_with_one_all_reduce(two_ranks, mode):
     expected = sft_oracle(mode)
@@ -167,6 +168,7 @@ def test_sft_on_two_gloo_ranks_gives_the_one_process_gradient_with_one_all_reduc
         assert rank["collectives"][f"sft {mode}"] == 1
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("denominator, normalized", DPO_FIXED, ids=["pair", "pair-normalized", "constant"])
 def test_dpo_on_two_gloo_ranks_gives_the_one_process_gradient_with_one_all_reduce(two_ranks, denominator, normalized):
     expected = dpo_oracle(denominator, normalized)
@@ -175,6 +177,7 @@ def test_dpo_on_two_gloo_ranks_gives_the_one_process_gradient_with_one_all_reduc
         assert rank["collectives"][f"dpo {(denominator, normalized)}"] == 1
 
 
+@pytest.mark.launch
 def test_control_local_differs_when_microbatch_counts_differ(two_ranks):
     labels = [n for rank in two_ranks for n in rank["labels"]]
     assert max(labels) > 3 * min(labels), labels  # sorting by label count made the microbatches ragged

@@ -102,12 +102,14 @@ def test_the_cases_include_a_rank_with_no_tokens():
     assert tokens_per_rank(make_plan("contiguous", lengths, 4, 1), lengths)[0] == 0
 
 
+@pytest.mark.launch
 def test_every_rank_holds_the_same_reduced_gradient(real):
     world_size, results = real
     for r in range(1, world_size):
         assert torch.equal(results[r]["grads"], results[0]["grads"])
 
 
+@pytest.mark.launch
 def test_invariant_modes_match_the_full_batch_oracle(real):
     world_size, results = real
     for k in case_ids(lambda c: c.denominator in INVARIANT):
@@ -115,6 +117,7 @@ def test_invariant_modes_match_the_full_batch_oracle(real):
         assert_close(results[0]["grads"][k], expected, rtol=1e-10, atol=1e-12, msg=lambda m: f"{CASES[k]}: {m}")
 
 
+@pytest.mark.launch
 def test_local_matches_its_own_formula_and_not_the_oracle(real):
     world_size, results = real
     ragged_cases = 0
@@ -137,12 +140,14 @@ def test_local_matches_its_own_formula_and_not_the_oracle(real):
     assert ragged_cases > 0 or world_size == 1
 
 
+@pytest.mark.launch
 def test_simulation_equals_the_real_multiprocess_gradient(real):
     world_size, results = real
     for k, case in enumerate(CASES):
         assert_close(results[0]["grads"][k], simulated(case, world_size), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.launch
 def test_group_gradient_does_not_depend_on_accumulation_steps(real, monkeypatch):
     # The field once multiplied the group mode's gradient by A; here A = 1, 2, 4 must agree.
     world_size, results = real
@@ -165,6 +170,7 @@ def test_group_gradient_does_not_depend_on_accumulation_steps(real, monkeypatch)
             same_as_one_microbatch(buggy[a])
 
 
+@pytest.mark.launch
 def test_exactly_one_extra_collective_per_minibatch(real):
     _, results = real
     for k, case in enumerate(CASES):
@@ -172,6 +178,7 @@ def test_exactly_one_extra_collective_per_minibatch(real):
         assert results[0]["collectives"][k] == (1 if needs_counts else 0), case
 
 
+@pytest.mark.launch
 def test_no_tokens_anywhere_gives_a_finite_zero_gradient(real):
     _, results = real
     for k in case_ids(lambda c: c.lengths == EMPTY):
@@ -179,6 +186,7 @@ def test_no_tokens_anywhere_gives_a_finite_zero_gradient(real):
         assert torch.isfinite(grad).all() and (grad == 0).all(), CASES[k]
 
 
+@pytest.mark.launch
 def test_float32_ranks_match_the_oracle_to_fp32_rounding():
     cases = [Case(mode, a, "length") for mode in MODES for a in (1, 2)]
     results = run_ddp(2, cases, dtype=torch.float32)

@@ -31,10 +31,12 @@ def fsdp_results():
     return run_ddp(WORLD_SIZE, CASES, parallel="fsdp")
 
 
+@pytest.mark.launch
 def test_every_rank_gathers_the_same_gradient(fsdp_results):
     assert torch.equal(fsdp_results[0]["grads"], fsdp_results[1]["grads"])
 
 
+@pytest.mark.launch
 def test_fsdp_invariant_modes_match_the_full_batch_oracle(fsdp_results):
     for k, case in enumerate(CASES):
         if case.denominator in INVARIANT:
@@ -42,6 +44,7 @@ def test_fsdp_invariant_modes_match_the_full_batch_oracle(fsdp_results):
                          msg=lambda m: f"{case}: {m}")
 
 
+@pytest.mark.launch
 def test_fsdp_local_matches_its_formula_and_not_the_oracle(fsdp_results):
     for k, case in enumerate(CASES):
         if case.denominator != "local" or case.lengths is not None:
@@ -52,6 +55,7 @@ def test_fsdp_local_matches_its_formula_and_not_the_oracle(fsdp_results):
         assert (got - token).norm() / token.norm() > 1e-3, f"{case}: local should differ from the oracle"
 
 
+@pytest.mark.launch
 def test_fsdp_adds_one_collective_per_minibatch_and_survives_an_empty_one(fsdp_results):
     for k, case in enumerate(CASES):
         needs_counts = case.denominator in ("token", "sequence", "group")

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gradnorm"
 
@@ -171,12 +173,14 @@ NOTEBOOK_FACING = sorted(
 ) + ["gradnorm.trainer.rundir.curves"]
 
 
+@pytest.mark.launch
 def test_the_notebooks_imports_load_no_distributed_code():
     loaded = added_by_import(*NOTEBOOK_FACING)
     assert set(NOTEBOOK_FACING) <= loaded  # they were imported here, not by torch
     assert shell_modules(loaded) == []
 
 
+@pytest.mark.launch
 def test_control_the_launchers_import_the_shell():
     # The same check must trip on the multi-process harness ...
     loaded = added_by_import("gradnorm.teach.harness")

@@ -241,6 +241,7 @@ def command_env() -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("out, says", [("", "--out is empty"), (".", "--out . is the current directory")])
 def test_the_command_refuses_the_working_directory_and_keeps_every_file(out, says, exportable, tmp_path):
     work, run = tmp_path / "work", copy_of(exportable, tmp_path)
@@ -384,6 +385,7 @@ def test_an_export_hf_whose_parent_takes_no_files_is_refused_before_training(tmp
     assert train_main(trainer_argv(case, ["--export-hf", "{case}/readonly/hf"], "{case}/run")) != 2
 
 
+@pytest.mark.launch
 def test_the_trainer_refuses_an_empty_export_hf_as_a_command(tmp_path):
     work = tmp_path / "work"
     fake_model(work / "model")

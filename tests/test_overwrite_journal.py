@@ -67,6 +67,7 @@ def kill_after(monkeypatch, renames: int) -> None:
     monkeypatch.setattr(lock, "_rename", counted)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("renames", range(6))
 def test_a_kill_while_the_old_run_is_set_aside_leaves_it_whole(tmp_path, monkeypatch, capsys, renames):
     out = tmp_path / "run"
@@ -88,6 +89,7 @@ def test_a_kill_while_the_old_run_is_set_aside_leaves_it_whole(tmp_path, monkeyp
     assert latest_checkpoint(out).name == "ckpt_step10"
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("renames", range(6))
 def test_a_kill_while_the_old_run_is_put_back_leaves_it_whole(tmp_path, monkeypatch, capsys, renames):
     out = tmp_path / "run"
@@ -156,6 +158,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.launch
 def test_a_real_sigkill_inside_an_overwrite_then_resume_continues_the_old_run(tmp_path, capsys):
     out = tmp_path / "run"
     flags = [*TINY, "--output-dir", str(out), "--save-every", "1"]

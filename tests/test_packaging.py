@@ -7,6 +7,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 import gradnorm
@@ -38,6 +39,7 @@ def test_no_module_shadows_a_standard_or_installed_module():
         assert found is None, f"gradnorm/{module.name}.py would shadow {found.origin}"
 
 
+@pytest.mark.launch
 def test_worked_example_runs():
     out = subprocess.run([sys.executable, "-m", "gradnorm.teach.worked_example"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout

@@ -90,6 +90,7 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.launch
 def test_a_second_signal_exits_at_once_even_inside_a_blocking_collective():
     proc = subprocess.Popen([sys.executable, "-c", BLOCKED], cwd=ROOT, env=ENV, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -146,6 +147,7 @@ def assert_stopped_cleanly(out: Path, stderr: str, signame: str) -> int:
     return stopped_at
 
 
+@pytest.mark.launch
 def test_ctrl_c_on_plain_python_checkpoints_and_exits_130_without_a_traceback(tmp_path):
     stopped, full = tmp_path / "stopped", tmp_path / "full"
     cmd = [sys.executable, "gradnorm/train.py", *TINY, "--steps", str(STEPS)]
@@ -204,6 +206,7 @@ def test_ctrl_c_right_after_an_accidental_overwrite_puts_the_old_run_back(tmp_pa
     assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.launch
 def test_ctrl_c_while_the_script_still_imports_torch_exits_130_without_a_traceback(tmp_path):
     proc = start([sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(tmp_path / "run")])
     try:

@@ -272,6 +272,7 @@ def _verify_with_a_corrupt_second_file(ctx, directory):
     return checksums.verify_shards(Path(directory), ctx.rank, ctx.world_size)
 
 
+@pytest.mark.launch
 def test_ranks_split_the_checksums_and_all_refuse_with_the_same_words(tmp_path):
     from gradnorm.dist.spawn import spawn_gloo
 
@@ -293,6 +294,7 @@ def test_a_checkpoint_of_another_model_names_the_flags(tmp_path, good_checkpoint
     one_error_line(capsys.readouterr().err, "holds a different model")
 
 
+@pytest.mark.launch
 def test_the_cli_prints_one_line_for_a_malicious_checkpoint(tmp_path, good_checkpoint):
     """The same through ``python gradnorm/train.py``: exit code, one line, no traceback, nothing run."""
     out, target = tmp_path / "run", tmp_path / "PWNED"

@@ -245,6 +245,7 @@ def test_a_log_directory_that_is_not_writable_is_one_line(tmp_path, capsys, monk
     assert "--report-to tensorboard: log directory" in one_line(code, *capsys.readouterr())
 
 
+@pytest.mark.launch
 def test_the_command_line_stops_on_a_broken_wandb_before_building_anything(tmp_path):
     """A real process, with a ``wandb`` on PYTHONPATH that fails to import (a broken install)."""
     (tmp_path / "pkgs" / "wandb").mkdir(parents=True)

@@ -310,6 +310,7 @@ def sharded_rollouts(ctx, cases):
 CASES = [(3, True), (3, False), (1, True)]  # uneven shares (2 groups and 1), and rank 1 with none
 
 
+@pytest.mark.launch
 def test_sharded_generation_with_uneven_finish_gathers_the_one_process_batch():
     task = HalfA()
     ranks = spawn_gloo(sharded_rollouts, 2, CASES)

@@ -41,6 +41,7 @@ def replaced_run(tmp_path: Path, replacement_saved: str) -> Path:
     return out
 
 
+@pytest.mark.launch
 def test_a_live_overwrite_run_is_in_use_not_stranded(tmp_path):
     # An --overwrite run in its warm-up: previous_run/ and no checkpoint yet, and its lock is live.
     out = tmp_path / "run"

@@ -216,6 +216,7 @@ def server(request):
     return request.getfixturevalue("lab")
 
 
+@pytest.mark.launch
 def test_the_notebook_server_listens_on_localhost_only_and_needs_its_token(server):
     port = int(server.base_url.rstrip("/").rsplit(":", 1)[1])
     assert listening_addresses(port) == {"127.0.0.1"}

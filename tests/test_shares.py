@@ -177,6 +177,7 @@ def two_ranks() -> list[dict]:
     return spawn_gloo(lockstep_worker, 2)
 
 
+@pytest.mark.launch
 def test_every_rank_gets_the_whole_batch_scores_of_its_share_and_scores_half_the_rows(two_ranks):
     batch = rollout()
     S, shares = len(batch.rewards), scoring.shares(batch, CFG, 2)
@@ -193,6 +194,7 @@ def test_every_rank_gets_the_whole_batch_scores_of_its_share_and_scores_half_the
         assert not torch.allclose(r["crossed"][share][mask], r["whole"][share][mask], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.launch
 def test_fsdp2_ranks_score_and_train_in_lockstep_and_match_ddp(two_ranks):
     results = two_ranks
     natural = scoring_chunks(rollout())  # the calls each rank's rows take alone: they differ

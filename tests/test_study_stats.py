@@ -127,6 +127,7 @@ def test_effect_grid_draws_one_forest_per_measure_and_task():
     plt.close(fig)
 
 
+@pytest.mark.launch
 def test_the_committed_study_comes_from_a_clean_commit_of_this_repository():
     """The provenance study.py records: a commit, without "uncommitted changes", reachable from HEAD
     (a study from a dirty tree or another branch cannot be rerun to the same numbers)."""

@@ -128,6 +128,7 @@ def _check_flags(ctx, lr_on_rank_1):
     return None
 
 
+@pytest.mark.launch
 def test_ranks_started_with_different_flags_all_refuse_and_the_same_flags_pass():
     from gradnorm.dist.spawn import spawn_gloo
 

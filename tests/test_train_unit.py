@@ -38,6 +38,7 @@ def run_script(*flags: str) -> subprocess.CompletedProcess:
 # ------------------------------------------------------------------ configuration and the CLI
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("flags, says", [
     (["--loss-denominator", "mean"], "invalid loss denominator 'mean'"),
     (["--prompts-per-step", "3", "--group-size", "3", "--grad-accum-steps", "2"], "cannot be split over 1 ranks x 2"),
@@ -52,6 +53,7 @@ def test_a_bad_config_is_one_line_on_stderr_and_exit_code_2(flags, says, tmp_pat
     assert not (tmp_path / "run").exists()  # nothing was built or written
 
 
+@pytest.mark.launch
 def test_help_documents_every_flag():
     proc = run_script("--help")
     assert proc.returncode == 0

@@ -163,6 +163,7 @@ def test_one_process_matches_the_longhand_oracle(single):
         assert_fp32_close(single[k], expected, f"W=1 {CASES[k]}")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_match_the_longhand_oracle(two_ranks, parallel):
     for k, case in enumerate(CASES):
@@ -170,6 +171,7 @@ def test_two_ranks_match_the_longhand_oracle(two_ranks, parallel):
         assert_fp32_close(two_ranks[parallel][k], expected, f"W=2 {parallel} {CASES[k]}")
 
 
+@pytest.mark.launch
 def test_the_control_local_under_a_budget_differs_from_the_padded_fixed_count_step(two_ranks):
     # local under the budget divides by each rank's own count (1 and 3): far from the token oracle
     # and from local with two equal microbatches per rank, while token is the same under both
@@ -182,6 +184,7 @@ def test_the_control_local_under_a_budget_differs_from_the_padded_fixed_count_st
     assert_fp32_close(two_ranks["ddp"][token_budget], two_ranks["ddp"][token_fixed], "token: packed budget vs padded A=2")
 
 
+@pytest.mark.launch
 def test_the_control_local_under_length_sharding_is_far_from_the_token_oracle(two_ranks, single):
     k = CASES.index(("local", 2, "length", 0, False))
     token_oracle = oracle_gradient("token", 2, 2, "length")

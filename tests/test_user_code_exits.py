@@ -99,6 +99,7 @@ def waits(logp, old_logp, advantages, mask):
 '''
 
 
+@pytest.mark.launch
 def test_a_real_ctrl_c_during_the_audit_is_exit_130_and_one_line(tmp_path):
     """A SIGINT while the loss runs is the user stopping the command (130), not the loss failing (2: the
     control above, a loss that raises KeyboardInterrupt itself)."""
@@ -128,6 +129,7 @@ ENDS_THE_PROCESS = {  # a loss that ends its process in a way no Python guard ca
 }
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", ENDS_THE_PROCESS)
 def test_the_audit_command_gives_no_verdict_when_the_loss_ends_its_process(name, tmp_path):
     """Before, ``os._exit(0)`` in an audited loss ended ``python -m gradnorm.audit`` with exit 0 and no
@@ -142,6 +144,7 @@ def test_the_audit_command_gives_no_verdict_when_the_loss_ends_its_process(name,
     assert done.stderr.strip() == f"error: the audited code's process {says} before it sent a report: no verdict"
 
 
+@pytest.mark.launch
 def test_control_the_isolated_command_passes_on_a_real_report():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-m", "gradnorm.audit", str(root / "examples" / "drop_in_ddp.py") + ":grpo_loss"],
@@ -153,6 +156,7 @@ def test_control_the_isolated_command_passes_on_a_real_report():
 HANGS = "import time\ndef loss(logp, old_logp, advantages, mask):\n    time.sleep(120)\n    return logp.sum()\n"
 
 
+@pytest.mark.launch
 def test_a_loss_that_hangs_ends_the_command_at_its_timeout_with_no_verdict(tmp_path):
     """Before, a loss that waited forever (a collective with no peers) hung the command and its CI job."""
     (tmp_path / "hangs.py").write_text(HANGS)
@@ -165,6 +169,7 @@ def test_a_loss_that_hangs_ends_the_command_at_its_timeout_with_no_verdict(tmp_p
     assert time.monotonic() - started < 60  # the child was killed, not waited for
 
 
+@pytest.mark.launch
 def test_the_audit_s_own_failure_in_the_child_is_one_line_not_a_guess_at_the_loss(monkeypatch, capsys):
     """An error of the audit itself (here: memory, forced) was reported as "exited with code 1 (os._exit in the
     loss?)" after a traceback; it is one line naming the error."""

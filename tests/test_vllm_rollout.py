@@ -150,6 +150,7 @@ def trainer_run(tmp_path, model, *extra, world_size=1):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.launch
 def test_an_unsupported_head_dim_stops_the_trainer_in_one_line(tmp_path):
     model = build_tiny_qwen2(tmp_path / "hd8", seed=0)
     done = trainer_run(tmp_path, model, "--steps", "1")
