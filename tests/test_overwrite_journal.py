@@ -135,12 +135,23 @@ def test_other_ranks_wait_for_rank_0_to_finish_the_move(tmp_path):
         lock.settle(out, rank=1, wait_s=0.1)
 
 
-def test_a_torn_journal_is_one_line_naming_the_way_out(tmp_path):
+@pytest.mark.parametrize("journal", [
+    '{"move": "sideways"}',
+    '{"move": "back", "names": ["ckpt_step1"], "discard": [".."]}',  # would delete the directory above the run
+    '{"move": "back", "names": [""], "discard": []}',  # out / "" is the run directory itself
+    '{"move": "aside", "names": "ckpt_step1"}',
+    '{"move": "aside", "names": ["a/b"]}',
+])
+def test_a_torn_journal_is_one_line_naming_the_way_out(journal, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / lock.JOURNAL).write_text('{"move": "sideways"}')
+    (out / lock.JOURNAL).write_text(journal)
     with pytest.raises(ValueError, match="is unreadable: it records a move of a run"):
         lock.settle(out)
+    assert out.is_dir() and tmp_path.is_dir()
+    # the control: a whole journal reads, with the discard list it may leave out
+    (out / lock.JOURNAL).write_text('{"move": "aside", "names": ["ckpt_step1"]}')
+    assert lock._read_journal(out / lock.JOURNAL) == {"move": "aside", "names": ["ckpt_step1"], "discard": []}
 
 
 KILL_AT = """

@@ -331,13 +331,18 @@ def _sync_dir(path: Path) -> None:
 def _read_journal(path: Path) -> dict:
     try:
         entry = json.loads(path.read_text())
-        assert isinstance(entry, dict) and entry.get("move") in ("aside", "back")
-        assert all(isinstance(n, str) and "/" not in n for n in [*entry["names"], *entry.get("discard", [])])
-        return {"discard": [], **entry}
-    except (OSError, ValueError, AssertionError, KeyError, TypeError):
+    except (OSError, ValueError):
+        entry = None
+    names = entry.get("names") if isinstance(entry, dict) else None
+    discard = entry.get("discard", []) if isinstance(entry, dict) else None
+    whole = (isinstance(entry, dict) and entry.get("move") in ("aside", "back")
+             and isinstance(names, list) and isinstance(discard, list)
+             and all(isinstance(n, str) and n not in ("", ".", "..") and "/" not in n for n in [*names, *discard]))
+    if not whole:  # explicit checks, not asserts: python -O must not accept a torn journal
         raise ValueError(f"{path} is unreadable: it records a move of a run between {path.parent} and "
                          f"{path.parent / PREVIOUS}/ that a kill interrupted; finish it by hand (every name in "
-                         f"{PREVIOUS}/ back into {path.parent}), then delete it") from None
+                         f"{PREVIOUS}/ back into {path.parent}), then delete it")
+    return {**entry, "discard": discard}
 
 
 def _logged(out: Path) -> bool:
