@@ -93,6 +93,10 @@ def reward_name(fn: RewardFn) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+"""The largest reward the trainer can keep: rewards become a float32 tensor in the rollout."""
+
+
 def call_reward(fn: RewardFn, response: str, answer: str, index: int) -> float:
     """``fn(response, answer)`` as a float32-finite float; a RewardError naming the sequence otherwise.
 
@@ -120,9 +124,6 @@ def call_reward(fn: RewardFn, response: str, answer: str, index: int) -> float:
         raise RewardError(f"reward function {reward_name(fn)} returned {float(value):.4g} on sequence {index}, beyond "
                           f"float32's range (|reward| <= {FLOAT32_MAX:.4g}), in which the trainer keeps rewards")
     return float(value)
-
-
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 # A number as people write them: -12, 1,234 (thousands separators), 3.5, 3/4.

@@ -234,11 +234,11 @@ def on_log_axis(sweep: GradientSweep, mode: str) -> tuple[np.ndarray, np.ndarray
     return (np.maximum(sweep.relative_error[mode], LOG_FLOOR), np.maximum(1.0 - sweep.cosine[mode], COSINE_FLOOR))
 
 
-def push_axis(views: Sequence[CorrectVsWrong], modes: Sequence[str]) -> tuple[float, float]:
-    """The push axis that holds every bar of every setting in ``views``, with room under the lowest
+def push_axis(settings: Sequence[CorrectVsWrong], modes: Sequence[str]) -> tuple[float, float]:
+    """The push axis that holds every bar of every setting in ``settings``, with room under the lowest
     wrong bar for its value label."""
-    low = min(0.0, *(float(v.push_per_token[m][1]) for v in views for m in modes))
-    top = nice_ceiling(1.3 * max(0.0, *(float(v.push_per_token[m][0]) for v in views for m in modes)))
+    low = min(0.0, *(float(v.push_per_token[m][1]) for v in settings for m in modes))
+    top = nice_ceiling(1.3 * max(0.0, *(float(v.push_per_token[m][0]) for v in settings for m in modes)))
     return (-max(nice_ceiling(1.3 * -low), 0.12 * top) if low < 0 else 0.0, top)
 
 
@@ -246,7 +246,7 @@ class CorrectVsWrongView:
     """Notebook 04: the push on one correct and one wrong token per mode, and who gets the update."""
 
     def __init__(self, fig: Figure, modes: Sequence[str], ylim: tuple[float, float] | None = None):
-        """``ylim`` fixes the push axis (stills that share it compare at a glance: ``shared_push_axis``);
+        """``ylim`` fixes the push axis (stills that share it compare at a glance: ``push_axis``);
         without it the axis fits each setting."""
         self.modes, self.ylim = list(modes), ylim
         self.ax_p, self.ax_s = fig.subplots(1, 2)

@@ -59,7 +59,7 @@ class NoLauncher(ValueError):
 def check_agent_store(environ=os.environ, timeout: float = 5.0) -> None:
     """torchrun's agent serves the job's store at MASTER_ADDR:MASTER_PORT before it starts a worker;
     none answering there means the variables were copied from a job that has ended. Without this,
-    joining retries for about 50 s, printing C++ connection errors, before it fails."""
+    joining retries, printing C++ connection errors, until its timeout."""
     import socket
 
     host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])

@@ -116,7 +116,7 @@ def check_model(name: str) -> None:
     if not is_local_model(name):
         if not HUB_ID.match(name):
             raise ValueError(f"--model {name!r} is neither an existing directory nor a Hub id (name or org/name)")
-        _check_cached_when_offline(name)
+        _check_hub_id(name)
         return
     path = Path(name).expanduser()
     if not path.is_dir():
@@ -176,9 +176,10 @@ def _numel(shape: list[int]) -> int:
     return count
 
 
-def _check_cached_when_offline(name: str) -> None:
+def _check_hub_id(name: str) -> None:
+    """A --model read as a Hub id is cached, or can come from the Hub now."""
     # A cached Hub id loads. One that is not must come from the Hub: offline, or with the Hub out of
-    # reach, that is known now, in one line, instead of after the loader's retries (about 50 s).
+    # reach, that is known now, in one line, instead of after the loader's retries.
     # Online, a wrong id is checked when it loads (one line if it is not found).
     from huggingface_hub import constants, try_to_load_from_cache
 
