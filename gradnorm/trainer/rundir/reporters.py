@@ -61,11 +61,11 @@ class Reporters:
             self._offline = os.environ.get("WANDB_MODE", "offline") in ("offline", "dryrun")
             (out / "wandb").mkdir(exist_ok=True)
             id_file = out / "wandb" / "run_id"
-            known = step > 0 and id_file.is_file()
-            run_id = read_run_id(id_file) if known else secrets.token_hex(4)
             if id_file.exists() and not id_file.is_file():
                 raise ValueError(f"--report-to wandb: {id_file} is a directory, not the file that keeps the W&B run's "
                                  "id; remove it (the run's W&B curve then starts afresh)")
+            known = step > 0 and id_file.is_file()
+            run_id = read_run_id(id_file) if known else secrets.token_hex(4)
             id_file.write_text(run_id + "\n")
             # rewinding to step k drops what an interrupted start logged after its checkpoint
             which = dict(resume_from=f"{run_id}?_step={step}") if known else dict(id=run_id)
