@@ -147,18 +147,20 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
     # What the training forward goes through: DDP around the model, or the model itself (FSDP2
     # shards it in place, and one process needs no wrapper). Both wrappers average gradients over W.
     dp_model = wrap.wrap_policy(model, cfg.parallel, ctx, blocks=policy.blocks())
-    engine = engine_rollout.start(cfg, task, policy)  # --rollout-engine vllm: this rank's vLLM engine, synced
-    if not cfg.builtin:
-        comm.print0("sampling: an in-process vLLM engine per rank (gradnorm.trainer.engine_rollout)" if engine
-                    else f"sampling: {policy.decoding(task.block_size)}")
-        comm.print0(f"training forward: {policy.scoring(dp_model)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     checkpointer = Checkpointer(cfg, model, opt, ref, ctx)  # when to save, and saving
     if ckpt_path is not None:
         checkpointer.load(ckpt_path)
         comm.print0(f"resumed from {ckpt_path} at step {run.step}")
+    # --rollout-engine vllm: this rank's vLLM engine, loaded with the weights the loop starts from
+    # (the warm-up's or the checkpoint's, so it starts after the load)
+    engine = engine_rollout.start(cfg, task, policy)
+    if not cfg.builtin:
+        comm.print0("sampling: an in-process vLLM engine per rank (gradnorm.trainer.engine_rollout)" if engine
+                    else f"sampling: {policy.decoding(task.block_size)}")
+        comm.print0(f"training forward: {policy.scoring(dp_model)}")
 
-    rollout = old_logp = ref_logp = None
+    rollout = old_logp = ref_logp = correction = None
     mismatch = {}  # engine vs trainer log-probs of the current rollout batch (--rollout-engine vllm)
     with RunLog(cfg, ctx, run, saved_record(ckpt_path)) as log:  # phase times, metrics.jsonl, console
         for step in run.steps(cfg.steps):
@@ -171,15 +173,18 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
                     rollout = (engine.generate if engine else generate_rollout)(policy, task, num_prompts=cfg.prompts_per_step * cfg.minibatches_per_rollout,
                                                group_size=cfg.group_size, seed=cfg.seed, step=step - j,
                                                temperature=cfg.temperature, scale_by_std=cfg.scale_adv_by_std, **share)
-                    mismatch = engine.mismatch(rollout) if engine else {}
-                # log-probs of the sampling policy (needed once samples are reused) and of the reference:
-                # each rank scores 1/W of the batch, then one all-to-all gives it those of the rows it
-                # trains on (FSDP2 ranks call in lockstep)
-                if U > 1 or ref is not None:
+                # log-probs of the sampling policy (needed once samples are reused, and against an engine's)
+                # and of the reference: each rank scores 1/W of the batch, then one all-to-all gives it
+                # those of the rows it trains on (FSDP2 ranks call in lockstep)
+                if U > 1 or ref is not None or engine:
                     with log.phase("scoring"), torch.no_grad(), autocast():
-                        old_logp, ref_logp = scoring.score(policy, [model if U > 1 else None, ref], rollout,
-                                                           scoring.shares(rollout, cfg, ctx.world_size), ctx.rank,
-                                                           cfg.pack)
+                        share = scoring.shares(rollout, cfg, ctx.world_size)
+                        sampled_logp, ref_logp = scoring.score(policy, [model if U > 1 or engine else None, ref],
+                                                               rollout, share, ctx.rank, cfg.pack)
+                    old_logp = sampled_logp if U > 1 else None  # on-policy, the loss's ratio stays exactly 1
+                    if engine:  # the engine's log-probs are checked against the trainer's, never trusted
+                        correction, mismatch = engine.check(rollout, sampled_logp, share[ctx.rank],
+                                                            cfg.engine_correction, cfg.engine_ratio_cap)
 
             # 2. Shard: this rank's microbatches of the global minibatch.
             with log.phase("shard"):
@@ -188,18 +193,21 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
                 batch = steps.Minibatch(rollout=rollout.groups(k * cfg.prompts_per_step, cfg.prompts_per_step),
                                         old_logp=None if old_logp is None else old_logp[span],
                                         ref_logp=None if ref_logp is None else ref_logp[span],
-                                        rollout_digest=rollout.digest(), pad_id=policy.pad_id)
+                                        rollout_digest=rollout.digest(), pad_id=policy.pad_id,
+                                        **(engine_rollout.minibatch_fields(correction, span) if engine else {}))
                 rows, plan = batch.rollout, steps.plan_for(batch, cfg, ctx.world_size)
                 opt.zero_grad(set_to_none=True)
 
             # 3. Accumulate. THE FIX: one all-reduce of this rank's token counts gives every rank the
             # minibatch's global counts (N, and per sequence and group; none for local and a constant) ...
             with log.phase("counts"):
-                counts = comm.global_counts(plan[ctx.rank], rows.lengths, rows.group_ids, rows.num_groups, cfg.denominator)
+                counts = comm.global_counts(plan[ctx.rank], batch.loss_mask.sum(-1), rows.group_ids, rows.num_groups,
+                                            cfg.denominator)
             # ... and each microbatch's backward weights its tokens by them, times W to undo DDP's mean
             # (core.denominators.rank_weights derives it); a rank with fewer microbatches runs idle passes.
             with log.phase("forward_backward"):
-                sums = accumulate_gradients(dp_model, plan[ctx.rank], rows.mask, rows.group_ids, counts, cfg.denominator,
+                sums = accumulate_gradients(dp_model, plan[ctx.rank], batch.loss_mask, rows.group_ids, counts,
+                                            cfg.denominator,
                                             steps.token_losses(policy, dp_model, batch, plan, cfg, ctx.world_size,
                                                                autocast),
                                             ctx.world_size, num_passes=passes(plan))

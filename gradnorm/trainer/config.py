@@ -39,6 +39,7 @@ import torch
 
 from gradnorm.cli.oneline import OneLineParser  # one error: line, exit code 2
 from gradnorm.core.denominators import Denominator, parse_denominator
+from gradnorm.core.importance import Correction
 from gradnorm.core.sharding import BUDGET_KINDS, ShardKind, check_divisible
 from gradnorm.dist.wrap import ParallelKind
 from gradnorm.tasks import RepeatTask
@@ -94,6 +95,7 @@ BOUNDS: dict[str, Range] = {
     "log_every": Range(1, 10**9),
     "cpu_threads": Range(1, 1024),
     "timeout_s": Range(10.0, 7 * 24 * 3600.0),
+    "engine_ratio_cap": Range(1.0, 1e6, open_low=True),  # rho is bounded to [1/cap, cap]: cap 1 keeps no token
 }
 REPORTERS = ("tensorboard", "wandb")
 """What --report-to may name (gradnorm.trainer.rundir.reporters logs to them, gradnorm.trainer.guards.preflight checks them)."""
@@ -175,6 +177,13 @@ class TrainConfig:
     (gradnorm.models.hf). vllm: an in-process vLLM engine on every rank (pip install -e '.[vllm]';
     docs/vllm.md), each sampling its share of the prompt groups, its weights synced from the policy
     after every optimizer step; metrics.jsonl logs how far its log-probs are from the trainer's."""
+    engine_correction: Correction = "none"
+    """Importance sampling against the engine's log-probs (gradnorm.core.importance), from the
+    trainer's own scores of each rollout batch: truncate multiplies each token's surrogate by
+    min(rho, --engine-ratio-cap), rho = pi_trainer / pi_engine; mask drops the tokens with rho outside
+    [1/cap, cap] from the loss and from the normalization's counts. Needs --rollout-engine vllm."""
+    engine_ratio_cap: float = 2.0
+    """The bound on rho for --engine-correction (above 1)."""
 
     # ---- GRPO objective
     beta: float = 0.0
@@ -379,6 +388,9 @@ class TrainConfig:
         if self.builtin and self.rollout_engine != "builtin":
             raise ValueError(f"--rollout-engine {self.rollout_engine} needs a Hugging Face --model; the built-in tiny "
                              "model samples with its own sampler")
+        if self.engine_correction != "none" and self.rollout_engine != "vllm":
+            raise ValueError(f"--engine-correction {self.engine_correction} reweights against a rollout engine's "
+                             "log-probs: it needs --rollout-engine vllm")
         if self.builtin and self.gradient_checkpointing:
             raise ValueError("--gradient-checkpointing needs a Hugging Face --model; the built-in tiny model has none")
         if self.resume and self.overwrite:

@@ -7,9 +7,10 @@ prompt groups (``group_split``); ONE all_gather of tokens, rewards and the engin
 every rank the global batch. The trainer scores log-probs itself, as it does for builtin rollouts.
 
 After every optimizer step ``sync`` loads the policy's weights into the engine (in place, no
-restart), so step k + 1 samples from the weights step k produced. ``mismatch`` compares the
-engine's log-probs of the sampled tokens with the trainer's: a correct sync leaves only the
-rounding of two implementations (fp32 here).
+restart), so step k + 1 samples from the weights step k produced. ``check`` compares the
+engine's log-probs of the sampled tokens with the trainer's own scores of them (a correct sync
+leaves only the rounding of two implementations, fp32 here) and derives the
+--engine-correction of the batch from them (``gradnorm.core.importance``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradnorm.core import importance
 from gradnorm.core.grpo import group_advantages
 from gradnorm.dist import comm
 from gradnorm.models import vllm_engine
@@ -71,24 +73,50 @@ class EngineRollouts:
             group_ids=torch.arange(len(rewards), device=device) // G, group_size=G, prompt_len=P,
         )
 
-    @torch.no_grad()
-    def mismatch(self, rollout: Rollout, trainer_logp: Tensor | None = None) -> dict[str, float]:
-        """Engine vs trainer log-probs over the response tokens of the last rollout (every rank alike).
+    def check(self, rollout: Rollout, trainer_logp: Tensor, rows: Tensor, kind: str = "none",
+              cap: float = 2.0) -> tuple[importance.EngineCorrection, dict[str, float]]:
+        """``check`` of the last rollout batch against the log-probs this engine sampled it with."""
+        return check(rollout, trainer_logp, self.engine_logp, rows, kind, cap)
 
-        ``trainer_logp`` (S, R) defaults to scoring the whole batch with the policy's model.
-        """
-        model = self.policy.model
-        if trainer_logp is None:
-            was_training = model.training
-            model.eval()
-            trainer_logp = self.policy.score(model, rollout.tokens, rollout.prompt_len)[0]
-            model.train(was_training)
-        diff = (trainer_logp.float() - self.engine_logp)[rollout.mask]
-        if diff.numel() == 0:
-            return {}
-        ratio = diff.exp()
-        return {"engine_logp_absdiff_max": float(diff.abs().max()), "engine_logp_absdiff_mean": float(diff.abs().mean()),
-                "engine_ratio_min": float(ratio.min()), "engine_ratio_max": float(ratio.max())}
+
+@torch.no_grad()
+def check(rollout: Rollout, trainer_logp: Tensor, engine_logp: Tensor, rows: Tensor, kind: str = "none",
+          cap: float = 2.0) -> tuple[importance.EngineCorrection, dict[str, float]]:
+    """The engine correction of a rollout batch, and how far the engine is from the trainer.
+
+    ``trainer_logp`` (S, R): the trainer's own log-probs of the sampled tokens (the sampling
+    policy's, ``scoring.score``), filled on ``rows``, the rows this rank trains on; ``engine_logp``
+    (S, R) the engine's. The ranks' rows partition the batch, so the statistics over every
+    response token take two small all-reduces (a max and a sum), and each rank looks at about S / W
+    rows. The correction covers this rank's rows (its response mask is False elsewhere).
+    """
+    device = rollout.mask.device
+    mask = torch.zeros_like(rollout.mask)
+    mask[rows.to(device)] = rollout.mask[rows.to(device)]  # this rank's response tokens
+    correction = importance.correct(trainer_logp, engine_logp, mask, kind, cap)
+    diff = (trainer_logp.double() - engine_logp.double())[mask]
+    ratio = diff.exp()
+    most = (torch.stack([diff.abs().max(), ratio.max(), -ratio.min()]) if diff.numel()
+            else torch.full((3,), -torch.inf, dtype=torch.float64, device=device))
+    most = comm.all_reduce_max(most)
+    sums = comm.all_reduce_sum(torch.stack([diff.abs().sum(), torch.tensor(float(diff.numel()), device=device),
+                                            correction.capped.sum().double(), correction.dropped.sum().double()]))
+    if sums[1] == 0:
+        return correction, {}
+    fields = {"engine_logp_absdiff_max": float(most[0]), "engine_logp_absdiff_mean": float(sums[0] / sums[1]),
+              "engine_ratio_min": float(-most[2]), "engine_ratio_max": float(most[1])}
+    if kind == "truncate":
+        fields["engine_capped_tokens"] = int(sums[2])
+    if kind == "mask":
+        fields["engine_dropped_tokens"] = int(sums[3])
+    return correction, fields
+
+
+def minibatch_fields(correction: importance.EngineCorrection, span: slice) -> dict:
+    """The ``step.Minibatch`` fields of the correction for the rollout's rows ``span``: the tokens the
+    loss keeps when it drops some (mask), the surrogate's factor when it caps (truncate)."""
+    return {"kept": correction.kept[span] if correction.dropped.any() else None,
+            "is_weight": None if correction.weight is None else correction.weight[span]}
 
 
 def start(cfg, task, policy) -> EngineRollouts | None:

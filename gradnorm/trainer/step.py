@@ -46,6 +46,16 @@ class Minibatch:
     """A hash of the whole rollout batch it was cut from (``Rollout.digest``)."""
     pad_id: int | None = None
     """The id that left-pads prompts (``Policy.pad_id``): padding, for ``padding_fraction``."""
+    kept: Tensor | None = None
+    """(S, R) bool: the tokens the loss and the counts take, when --engine-correction mask drops some
+    (``gradnorm.core.importance``); None: the response mask, ``rollout.mask``."""
+    is_weight: Tensor | None = None
+    """(S, R): each token's surrogate factor under --engine-correction truncate; None: 1."""
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """(S, R) bool: the tokens the loss weights and the normalization counts."""
+        return self.rollout.mask if self.kept is None else self.kept
 
 
 @dataclass
@@ -99,6 +109,7 @@ def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, plan: Plan
             logp, logp.detach() if batch.old_logp is None else batch.old_logp[idx], rows.advantages[idx],
             ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator, entropy=entropy.detach(),
+            is_weight=None if batch.is_weight is None else batch.is_weight[idx],
         )
 
     return forward
