@@ -6,7 +6,11 @@ The head-size check needs no vllm and always runs. One engine serves the whole m
 is seconds).
 """
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +101,21 @@ def test_a_sequence_samples_the_same_alone_and_in_a_batch(setup):
     assert not torch.equal(other.tokens, batch.tokens)  # another step's seeds draw other tokens
 
 
+def test_one_batch_and_two_halves_sample_the_same_tokens(setup):
+    """What W = 1 against W = 2 does to the engine: the whole batch in one call, or in two halves."""
+    _, tok, _, engine = setup
+    g = torch.Generator().manual_seed(0)
+    same = total = 0
+    for step in range(1, 11):
+        prompts = torch.randint(4, 60, (8, P_LEN), generator=g)
+        seeds = [vllm_engine.sequence_seed(1, step, i) for i in range(8)]
+        whole = sample(engine, tok, prompts, seeds).tokens
+        halves = torch.cat([sample(engine, tok, prompts[:4], seeds[:4]).tokens,
+                            sample(engine, tok, prompts[4:], seeds[4:]).tokens])
+        same, total = same + int((whole == halves).all(-1).sum()), total + 8
+    assert same == total, f"{same} of {total} sequences sampled the same tokens"
+
+
 def test_sequence_seed_is_keyed_like_the_rollout_noise():
     assert vllm_engine.sequence_seed(0, 1, 2) == vllm_engine.sequence_seed(0, 1, 2)
     assert len({vllm_engine.sequence_seed(s, k, i) for s in (0, 1) for k in (1, 2) for i in (0, 1)}) == 8
@@ -127,48 +146,98 @@ def test_a_missing_vllm_is_one_input_error_line(monkeypatch):
     assert "\n" not in str(info.value)
 
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
+# A reward the tiny random policy learns in a few steps: the share of digits in its response
 REWARD_MODULE = '''
-def text_score(response, answer):
-    return (sum(map(ord, response)) % 11) / 10
+def digit_share(response, answer):
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
 '''
+STEPS, HALF = 16, 8
 
 
-def trainer_run(tmp_path, model, *extra, world_size=1):
-    import subprocess
-    import sys
-
+def trainer_run(tmp_path, model, out, *extra, world_size=1):
     from gradnorm.teach.launch import torchrun_command
 
     (tmp_path / "vllm_test_rewards.py").write_text(REWARD_MODULE)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    args = ["--model", str(model), "--prompts", "examples/arithmetic.jsonl", "--reward", "vllm_test_rewards:text_score",
+    args = ["--model", str(model), "--prompts", "examples/arithmetic.jsonl", "--reward", "vllm_test_rewards:digit_share",
             "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--eval-prompts", "2",
-            "--seed", "1", "--no-plot", "--rollout-engine", "vllm", "--output-dir", str(tmp_path / "run"), *extra]
+            "--seed", "1", "--lr", "3e-3", "--no-plot", "--rollout-engine", "vllm", "--engine-correction", "mask",
+            "--output-dir", str(out), *extra]
     cmd = [sys.executable, "gradnorm/train.py", *args] if world_size == 1 else torchrun_command(world_size, *args)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.launch
 def test_an_unsupported_head_dim_stops_the_trainer_in_one_line(tmp_path):
     model = build_tiny_qwen2(tmp_path / "hd8", seed=0)
-    done = trainer_run(tmp_path, model, "--steps", "1")
+    done = trainer_run(tmp_path, model, tmp_path / "run", "--steps", "1")
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(errors) == 1 and "head_dim 8" in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before training: the preflight's check
 
 
-def test_two_ranks_train_on_vllm_rollouts_and_log_the_mismatch(setup, tmp_path):
-    import json
+@pytest.fixture(scope="module")
+def runs(setup, tmp_path_factory):
+    """Four launches, each checked several ways: W = 2 for STEPS steps; W = 2 for HALF steps, then
+    --resume to STEPS; W = 1 for one step."""
+    path, tmp = setup[0], tmp_path_factory.mktemp("vllm-runs")
+    plans = {"whole": (["--steps", str(STEPS)], 2), "half": (["--steps", str(HALF), "--save-every", str(HALF)], 2),
+             "resumed": (["--resume", "--steps", str(STEPS)], 2), "one_rank": (["--steps", "1"], 1)}
+    out = {"whole": tmp / "whole", "half": tmp / "half", "resumed": tmp / "half", "one_rank": tmp / "one_rank"}
+    for name, (flags, world_size) in plans.items():
+        done = trainer_run(tmp, path, out[name], *flags, world_size=world_size)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+    return {"whole": metrics(out["whole"]), "resumed": metrics(out["half"]), "one_rank": metrics(out["one_rank"])}
 
-    path = setup[0]
-    done = trainer_run(tmp_path, path, "--steps", "3", world_size=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3
-    for row in rows:  # synced every step: only the rounding of two fp32 implementations is left
+
+@pytest.mark.launch
+def test_two_ranks_learn_from_vllm_rollouts(runs):
+    rewards = [row["reward_mean"] for row in runs["whole"]]
+    assert len(rewards) == STEPS
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.2, rewards
+
+
+@pytest.mark.launch
+def test_the_mismatch_fields_show_a_synced_engine_every_step(runs):
+    for row in runs["whole"]:  # synced every step: only the rounding of two fp32 implementations is left
         assert row["engine_logp_absdiff_max"] < 1e-3, row
         assert 0 <= row["engine_logp_absdiff_mean"] <= row["engine_logp_absdiff_max"]
         assert row["engine_ratio_min"] <= 1 <= row["engine_ratio_max"] + 1e-6
+        assert row["engine_dropped_tokens"] == 0  # --engine-correction mask drops nothing from a synced engine
+
+
+@pytest.mark.launch
+def test_a_resumed_run_logs_what_the_uninterrupted_one_logs(runs):
+    whole, resumed = runs["whole"], runs["resumed"]
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    keys = ("rollout_digest", "grad_norm", "loss", "reward_mean", "tokens", "engine_logp_absdiff_max")
+    for a, b in zip(whole, resumed):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    # what the equality rests on: the weights move every step, so every step samples another batch
+    assert len({r["rollout_digest"] for r in whole}) == STEPS
+
+
+@pytest.mark.launch
+def test_one_rank_and_two_sample_the_same_batch_and_take_the_same_step(runs):
+    one, two = runs["one_rank"][0], runs["whole"][0]
+    assert one["rollout_digest"] == two["rollout_digest"]  # sequence i's seed is (seed, step, i): not its rank
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5)  # token mode: W does not enter
+    assert one["tokens"] == two["tokens"]
+
+
+def test_batch_invariant_mode_is_refused_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(vllm_engine.EngineError, match="VLLM_BATCH_INVARIANT is set") as info:
+        vllm_engine.check_environment({"VLLM_BATCH_INVARIANT": "1"})
+    assert "\n" not in str(info.value)
+    for unset in ({}, {"VLLM_BATCH_INVARIANT": "0"}):  # the control
+        vllm_engine.check_environment(unset)

@@ -9,6 +9,7 @@ removed at once), so every rank runs them and reaches the same verdict.
 - ``--prompts``: a readable JSONL file of prompts and answers;
 - ``--model``: a local directory with a readable config.json and intact weights, or a Hub name
   (the rule in ``is_local_model``);
+- ``--rollout-engine vllm``: vllm installed, and a head size its CPU attention takes;
 - ``--reward``: importable, callable as reward(response, answer);
 - ``--export-hf``: a directory the end-of-run export may write or replace (``gradnorm.trainer.guards.outpaths``),
   so a bad one is refused before any training rather than after it;
@@ -26,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from gradnorm.core.errors import first_line  # also what main() reports a failed join with
-from gradnorm.models import hf
+from gradnorm.models import hf, vllm_engine
 from gradnorm.tasks.prompts import load_prompts
 from gradnorm.tasks.rewards import get_reward
 from gradnorm.trainer.config import TrainConfig
@@ -220,6 +221,8 @@ def check_inputs(cfg: TrainConfig) -> None:
     """Every file and directory the flags name: the real model's inputs, then the output directory."""
     if not cfg.builtin:
         check_model(cfg.model)
+        if cfg.rollout_engine == "vllm":
+            check_engine(cfg.model)
         check_prompts(cfg.prompts)
         get_reward(cfg.reward)
     check_output_dir(cfg.output_dir)
@@ -228,6 +231,19 @@ def check_inputs(cfg: TrainConfig) -> None:
         # the export writes a temporary sibling and renames it over the target: its parent must take files
         check_writable(target.parent, f"--export-hf {cfg.export_dir}: its parent")
     check_reporters(cfg)
+
+
+def check_engine(model: str) -> None:
+    """--rollout-engine vllm: vllm is installed and its CPU attention takes the model's head size.
+
+    Both are read without importing vllm (seconds); an install that is there but broken, or an
+    engine that fails to start, is found when the engine starts (``gradnorm.models.vllm_engine``).
+    """
+    if is_local_model(model):
+        vllm_engine.check_model_shape(model)
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"--rollout-engine vllm: vllm is not installed; {vllm_engine.INSTALL_HINT}")
+    vllm_engine.check_environment()
 
 
 REPORTER_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
