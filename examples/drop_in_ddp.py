@@ -4,7 +4,7 @@
     python -m gradnorm.audit examples/drop_in_ddp.py:grpo_loss --world-size 8 --accum-steps 4   # INVARIANT
 
 The lines between the two ``drop-in`` markers are the whole change to a training loop, and the
-README shows exactly them ("Use the fix in your own loop"; tests/test_drop_in.py checks the two
+README shows exactly them ("Use the fix in your own loop"; tests/distributed/test_drop_in.py checks the two
 are equal, runs them on 2 gloo ranks against a one-process oracle and audits ``grpo_loss``). Per
 optimizer step each rank counts the response tokens of all its microbatches, ONE all-reduce sums
 the counts over ranks, and each microbatch's loss weighs its tokens with the global counts. The

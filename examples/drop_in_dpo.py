@@ -6,7 +6,7 @@
 ``losses.mean()`` per microbatch, divided by A and averaged by DDP over W ranks, is exact only
 while every microbatch holds the same number of pairs; under a token budget a microbatch of long
 pairs holds fewer of them, and each of its pairs weighs more. The lines between the two
-``drop-in`` markers are the fix (tests/test_drop_in_post_training.py runs them on 2 gloo ranks
+``drop-in`` markers are the fix (tests/distributed/test_drop_in_post_training.py runs them on 2 gloo ranks
 against a one-process oracle and audits ``dpo_loss``): per optimizer step each rank counts its
 pairs, ONE all-reduce sums the counts over ranks, and each pair's loss weighs 1/P. The toy policy
 is drop_in_ddp.py's; the reference policy is another draw of it.

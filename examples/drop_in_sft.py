@@ -6,7 +6,7 @@
 A model's own ``outputs.loss`` is the mean over the microbatch's label tokens; divided by A and
 averaged by DDP over W ranks, a label token of a microbatch with few labels (a short answer, a
 long prompt) weighs more than one of a microbatch with many. The lines between the two
-``drop-in`` markers are the fix (tests/test_drop_in_post_training.py runs them on 2 gloo ranks
+``drop-in`` markers are the fix (tests/distributed/test_drop_in_post_training.py runs them on 2 gloo ranks
 against a one-process oracle and audits ``sft_loss``): per optimizer step each rank counts the
 label tokens of all its microbatches, ONE all-reduce sums the counts over ranks, and each
 microbatch weighs its label tokens with the global counts. The toy policy is drop_in_ddp.py's.

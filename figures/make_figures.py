@@ -7,7 +7,7 @@ Each ``figure_*`` function builds one figure from the library's data (``gradnorm
 ``sweeps``, ``lengthbias``) drawn by ``gradnorm.teach.views``, ``plotting`` and ``lengthplots`` (the
 widget views through the very explorers the notebooks show, at their default settings), in the
 one palette of ``gradnorm.teach.palette``, and returns
-``(Figure, data)``: ``tests/test_figures.py`` checks the data, never the pixels. Everything is
+``(Figure, data)``: ``tests/notebooks/test_figures.py`` checks the data, never the pixels. Everything is
 computed from fixed inputs and seeds, and the PNGs carry no timestamp or version metadata.
 """
 

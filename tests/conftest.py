@@ -22,7 +22,7 @@ from hypothesis import settings
 # examples/tiny_models.py builds the tiny random Hugging Face models the tests train (offline)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from skipping import skip_or_fail  # tests/skipping.py
+from tests.helpers.skipping import skip_or_fail
 
 settings.register_profile("fixed", derandomize=True, max_examples=100, database=None, deadline=None,
                           print_blob=False)

@@ -8,7 +8,7 @@
 # complete checkpoint. Every argument is passed to gradnorm/train.py; --output-dir must be on a
 # filesystem every node sees (checkpoints are written by every rank, read by every rank).
 #
-# tests/test_topology.py runs this file for two "nodes" on one host, with the variables srun sets.
+# tests/e2e/test_topology.py runs this file for two "nodes" on one host, with the variables srun sets.
 set -euo pipefail
 : "${SLURM_NNODES:?run under srun (train.sbatch)}" "${SLURM_NODEID:?}" "${SLURM_JOB_ID:?}" "${RDZV_HOST:?}"
 cd "$(dirname "$0")/../.."

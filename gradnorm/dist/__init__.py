@@ -6,6 +6,6 @@
 - ``state``  the training state by name, written and read sharded (torch.distributed.checkpoint)
 - ``spawn``  W spawned gloo processes on one machine, and a counter of the collectives they issue
 
-Nothing outside this package imports torch.distributed (tests/test_layers.py checks it), so the
+Nothing outside this package imports torch.distributed (tests/project/test_layers.py checks it), so the
 core, the simulation and the notebooks' modules can be read and imported without it.
 """

@@ -19,7 +19,7 @@ It does what the model's own modules do, operation for operation and in the same
 RMSNorm in float32, the rotary tables from the model's own rotary module, PyTorch's
 scaled_dot_product_attention with the mask and grouped-query layout transformers' SDPA
 integration gives a one-token query), so its logits are the model's, bit for bit on CPU
-(``tests/test_llama_decode.py``, against the model called with its cache, for tiny Llama and
+(``tests/unit/models/test_llama_decode.py``, against the model called with its cache, for tiny Llama and
 Qwen2 with and without prompt padding, dropping rows as sampling does). The prompt's prefill
 still goes through the model itself: its causal-and-padding mask is one call per generation, and
 its cache is copied into this one.

@@ -73,6 +73,6 @@ def run_ddp(world_size: int, cases: list[Case], dtype: torch.dtype = torch.float
     DDP's all-reduce every rank holds the same gradient; the caller can check that too.
     ``parallel="fsdp"`` uses FSDP2 instead of DDP. Its own all-gathers and reduce-scatters run
     inside torch, not through the ``torch.distributed`` names patched here (as DDP's all-reduce
-    runs in C++), so the count stays what gradnorm adds (tests/test_fsdp.py checks it).
+    runs in C++), so the count stays what gradnorm adds (tests/distributed/test_fsdp.py checks it).
     """
     return spawn_gloo(_case_results, world_size, cases, dtype, parallel)

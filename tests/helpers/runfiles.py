@@ -1,0 +1,36 @@
+"""What the trainer tests read back from a run directory, and how they launch runs."""
+
+import subprocess
+from pathlib import Path
+
+from gradnorm.trainer.rundir.curves import read_metrics
+from gradnorm.trainer.rundir.metrics import TIMING_KEYS
+
+
+def metrics(out: Path) -> list[dict]:
+    """Every line of ``out/metrics.jsonl``, in order."""
+    return read_metrics(out / "metrics.jsonl")
+
+
+def comparable(out: Path) -> list[dict]:
+    """The same lines without measurements (wall times, memory): what two identical runs share."""
+    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(out)]
+
+
+def launch_all(jobs: list[list[str]], cwd: Path, env: dict, at_once: int = 2, timeout: float = 300) -> None:
+    """Run the commands ``jobs``, ``at_once`` at a time, each to success.
+
+    A short torchrun launch spends much of its wall time with a core idle (the agent starting, the
+    rendezvous, the workers' imports finishing at different times), so two launches side by side
+    take well under twice one. Each must write its own output directory; no result may depend on
+    timing.
+    """
+    pending, running = list(jobs), []
+    while pending or running:
+        while pending and len(running) < at_once:
+            cmd = pending.pop(0)
+            running.append((cmd, subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True)))
+        cmd, proc = running.pop(0)
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{out}\n{err[-4000:]}"
