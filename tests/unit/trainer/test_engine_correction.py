@@ -13,7 +13,7 @@ tests/helpers/longhand.py over the tokens the correction keeps:
   control, the uncorrected loss, differs.
 
 No vllm is needed: the engine is only its log-probs here. The real engine's runs are in
-tests/test_vllm_rollout.py.
+tests/e2e/test_vllm_rollout.py.
 """
 
 import pytest

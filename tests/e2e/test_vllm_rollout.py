@@ -146,7 +146,7 @@ def test_a_missing_vllm_is_one_input_error_line(monkeypatch):
     assert "\n" not in str(info.value)
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A reward the tiny random policy learns in a few steps: the share of digits in its response
 REWARD_MODULE = '''
 def digit_share(response, answer):
