@@ -13,7 +13,7 @@ rank's gradient shard is gathered with ``full_tensor``. What must hold, exactly 
 
 import pytest
 import torch
-from tests.distributed.test_equivalence import EMPTY, INVARIANT, MODES, oracle_gradient
+from tests.helpers.oracle import EMPTY, INVARIANT, MODES, oracle_gradient
 from torch.testing import assert_close
 
 from gradnorm.teach.harness import Case, run_ddp

@@ -41,10 +41,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.runfiles import launch_all
+from tests.helpers.faults import Evil, fail_in_publish
+from tests.helpers.runfiles import assert_same_steps, launch_all
 from tests.helpers.runfiles import metrics
 from tests.helpers.trainer import TINY, one_error_line
-from tests.reliability.test_reliability import Evil, assert_same_steps
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.testing import assert_close
 
@@ -71,18 +71,6 @@ def fail_in_dcp_writer(monkeypatch, step: int) -> None:
         return honest(self, plan, planner)
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
-
-
-def fail_in_publish(monkeypatch, step: int) -> None:
-    """Rank 0 cannot write trainer_state.json into ``.ckpt_step{step}.tmp`` (a permission error)."""
-    honest = store._write_synced
-
-    def denied(path, text):
-        if f"ckpt_step{step}." in str(path):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        honest(path, text)
-
-    monkeypatch.setattr(store, "_write_synced", denied)
 
 
 @pytest.mark.parametrize("fault, says", [(fail_in_dcp_writer, "No space left on device"),

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.helpers.runfiles import comparable, launch_all, metrics
-from tests.reliability.test_bad_input_runtime import every_file
+from tests.helpers.runfiles import every_file
 from tests.helpers.trainer import one_error_line, run_main, tiny, torchrun_cmd
 from torch.testing import assert_close
 

@@ -2,14 +2,21 @@
 
     trainer        TINY (the tiny trainer configuration), tiny() for a test's explicit changes to
                    it, run_main, torchrun_cmd and one_error_line
-    runfiles       what a run directory holds (metrics, comparable) and launch_all
+    runfiles       what a run directory holds (metrics, comparable, every_file), assert_same_steps
+                   (two runs' MEANINGFUL metrics agree) and launch_all
     longhand       the loss weights written out longhand, the oracle of the gradient tests
+    oracle         the full-batch gradient oracle of the DDP/FSDP tests (oracle_gradient, flat) and
+                   their modes (INVARIANT, MODES) and token-less minibatch (EMPTY)
+    fakes          fake_model and fake_checkpoint: files the preflight takes for a model or checkpoint
+    faults         fail_in_publish, Evil (a malicious pickle payload) and dead_pid
     audit_command  the audit command run in this process
     skipping       skip locally, fail in CI
 
-ROOT is the repository, whatever the depth of the test module that uses it.
+ROOT is the repository, whatever the depth of the test module that uses it; EXAMPLES its
+examples/arithmetic.jsonl.
 """
 
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "arithmetic.jsonl"

@@ -3,6 +3,8 @@
 import subprocess
 from pathlib import Path
 
+from torch.testing import assert_close
+
 from gradnorm.trainer.rundir.curves import read_metrics
 from gradnorm.trainer.rundir.metrics import TIMING_KEYS
 
@@ -15,6 +17,27 @@ def metrics(out: Path) -> list[dict]:
 def comparable(out: Path) -> list[dict]:
     """The same lines without measurements (wall times, memory): what two identical runs share."""
     return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(out)]
+
+
+def every_file(directory: Path) -> dict[str, bytes]:
+    """{path relative to ``directory``: bytes} of every file under it, in checkpoint directories too."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+MEANINGFUL = ("loss", "grad_norm", "reward_mean", "exact_match", "response_len_mean", "response_len_max", "tokens",
+              "pg_loss", "entropy", "skipped_steps", "rollout_digest")
+
+
+def assert_same_steps(resumed: Path, reference: Path, steps=(3, 4)) -> None:
+    got = {m["step"]: m for m in metrics(resumed)}
+    want = {m["step"]: m for m in metrics(reference)}
+    assert sorted(got) == [1, 2, 3, 4]
+    for n in steps:
+        for key in MEANINGFUL:
+            if isinstance(want[n][key], float):
+                assert_close(got[n][key], want[n][key], rtol=1e-5, atol=1e-7, msg=f"step {n} {key}")
+            else:
+                assert got[n][key] == want[n][key], (n, key)
 
 
 def launch_all(jobs: list[list[str]], cwd: Path, env: dict, at_once: int = 2, timeout: float = 300) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tests.helpers.runfiles import every_file
 from tests.helpers.trainer import one_error_line, run_main, tiny, torchrun_cmd
 
 from gradnorm import train as train_module
@@ -300,11 +301,6 @@ def test_overwrite_that_fails_before_a_checkpoint_puts_the_old_run_back(tmp_path
     one_error_line(err, "error: step 1: boom")
     assert "the previous run is back in" in err
     assert every_file(out) == before
-
-
-def every_file(directory: Path) -> dict[str, bytes]:
-    """{path relative to ``directory``: bytes} of every file under it, in checkpoint directories too."""
-    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
 @pytest.mark.launch

@@ -39,7 +39,7 @@ import torch
 pytest.importorskip("transformers")
 
 import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)  # noqa: E402
-from tests.reliability.test_bad_input import fake_checkpoint, fake_model  # noqa: E402
+from tests.helpers.fakes import fake_checkpoint, fake_model  # noqa: E402
 from tests.helpers.trainer import one_error_line  # noqa: E402
 
 from gradnorm import export  # noqa: E402

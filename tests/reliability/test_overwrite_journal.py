@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.reliability.test_bad_input_runtime import every_file
+from tests.helpers.faults import dead_pid
+from tests.helpers.runfiles import every_file
 from tests.helpers.trainer import TINY, one_error_line
-from tests.unit.trainer.test_rundir import _dead_pid
 
 from gradnorm.train import main
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
@@ -47,7 +47,7 @@ def old_run(out: Path) -> dict[str, bytes]:
 
 def die(out: Path) -> None:
     """What the kernel leaves of a killed owner: its lock, naming a pid that no longer runs."""
-    (out / lock.LOCK).write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "started": "then"}))
+    (out / lock.LOCK).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname(), "started": "then"}))
 
 
 class Killed(BaseException):

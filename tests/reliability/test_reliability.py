@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.runfiles import comparable, launch_all, metrics
+from tests.helpers.faults import Evil
+from tests.helpers.runfiles import assert_same_steps, comparable, launch_all, metrics
 from tests.helpers.trainer import TINY, one_error_line, run_main, torchrun_cmd
-from torch.testing import assert_close
 
 from gradnorm.dist import state as dist_state
 from gradnorm.models import tinygpt as tinygpt_module
@@ -141,14 +141,6 @@ def test_responses_that_are_only_eos_train_with_finite_metrics(tmp_path, monkeyp
 
 
 # ------------------------------------------------------------------ checkpoints
-
-
-class Evil:
-    def __init__(self, target):
-        self.target = target
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.target}",))
 
 
 @pytest.fixture(scope="module")
@@ -349,22 +341,6 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_ru
     launch_all([torchrun_cmd(crashed, *CRASH_FLAGS, "--resume"), torchrun_cmd(full, *CRASH_FLAGS)], ROOT, ENV)
     assert [m["step"] for m in comparable(crashed)] == list(range(1, 121))
     assert comparable(crashed) == comparable(full)
-
-
-MEANINGFUL = ("loss", "grad_norm", "reward_mean", "exact_match", "response_len_mean", "response_len_max", "tokens",
-              "pg_loss", "entropy", "skipped_steps", "rollout_digest")
-
-
-def assert_same_steps(resumed: Path, reference: Path, steps=(3, 4)) -> None:
-    got = {m["step"]: m for m in metrics(resumed)}
-    want = {m["step"]: m for m in metrics(reference)}
-    assert sorted(got) == [1, 2, 3, 4]
-    for n in steps:
-        for key in MEANINGFUL:
-            if isinstance(want[n][key], float):
-                assert_close(got[n][key], want[n][key], rtol=1e-5, atol=1e-7, msg=f"step {n} {key}")
-            else:
-                assert got[n][key] == want[n][key], (n, key)
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ What must hold for the trainer to treat an HF model like TinyGPT:
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +30,7 @@ from gradnorm.models.hf import (  # noqa: E402
     response_logprobs,
 )
 from gradnorm.tasks.prompts import PromptTask  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "arithmetic.jsonl"
+from tests.helpers import EXAMPLES  # noqa: E402
 
 BUILDERS = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py

@@ -28,7 +28,7 @@ from gradnorm.models.hf import generate, load_causal_lm, load_tokenizer, padding
 from gradnorm.models.llama_decode import LlamaDecoder, unsupported  # noqa: E402
 from gradnorm.tasks.prompts import PromptTask  # noqa: E402
 from gradnorm.trainer.rollout import sequence_uniforms  # noqa: E402
-from tests.unit.models.test_hfmodels import EXAMPLES  # noqa: E402
+from tests.helpers import EXAMPLES  # noqa: E402
 
 BUILDERS = {"llama": build_tiny_llama, "qwen2": build_tiny_qwen2,
             "llama-mha": lambda out: build_tiny_llama(out, num_key_value_heads=4)}  # one KV head per query head

@@ -10,12 +10,11 @@ to go on, and that way works. (The whole-run cases are in tests/reliability/test
 import json
 import os
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
-from tests.reliability.test_bad_input_runtime import every_file
-from tests.e2e.test_checkpoints import fail_in_publish
+from tests.helpers.faults import dead_pid, fail_in_publish
+from tests.helpers.runfiles import every_file
 from tests.helpers.trainer import TINY, one_error_line
 
 from gradnorm.train import main
@@ -50,16 +49,10 @@ def test_a_live_overwrite_run_is_in_use_not_stranded(tmp_path):
     with pytest.raises(ValueError, match="is in use by another run"):
         lock.check(out, resume=True, overwrite=False)
     # the control: the same directory once that run is dead (its pid gone) is a stranded replacement
-    dead = _dead_pid()
+    dead = dead_pid()
     (out / lock.LOCK).write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "started": "then"}))
     with pytest.raises(ValueError, match="stopped before its first checkpoint"):
         lock.check(out, resume=True, overwrite=False)
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid  # reaped: no process has it now (pids are not reused this fast)
 
 
 def test_a_torn_checkpoint_does_not_release_the_old_run(tmp_path):
