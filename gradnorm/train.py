@@ -178,12 +178,12 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
                 # those of the rows it trains on (FSDP2 ranks call in lockstep)
                 if U > 1 or ref is not None or engine:
                     with log.phase("scoring"), torch.no_grad(), autocast():
-                        share = scoring.shares(rollout, cfg, ctx.world_size)
+                        trained_rows = scoring.shares(rollout, cfg, ctx.world_size)  # [rank] -> its rows
                         sampled_logp, ref_logp = scoring.score(policy, [model if U > 1 or engine else None, ref],
-                                                               rollout, share, ctx.rank, cfg.pack)
+                                                               rollout, trained_rows, ctx.rank, cfg.pack)
                     old_logp = sampled_logp if U > 1 else None  # on-policy, the loss's ratio stays exactly 1
                     if engine:  # the engine's log-probs are checked against the trainer's, never trusted
-                        correction, mismatch = engine.check(rollout, sampled_logp, share[ctx.rank],
+                        correction, mismatch = engine.check(rollout, sampled_logp, trained_rows[ctx.rank],
                                                             cfg.engine_correction, cfg.engine_ratio_cap)
 
             # 2. Shard: this rank's microbatches of the global minibatch.

@@ -176,18 +176,18 @@ def grpo_token_losses(
     clip_high: float = 0.2,
     kl_estimator: str = "k3",
     entropy: Tensor | None = None,
-    is_weight: Tensor | None = None,
+    importance_weight: Tensor | None = None,
 ) -> TokenLosses:
     """The GRPO per-token loss l = clipped surrogate + beta * KL_hat, with its parts for logging.
 
     With ``beta == 0`` no KL is computed and ``ref_logp`` may be None: a run without a reference
     policy must not touch one (a crash the field has seen when statistics assumed it existed).
-    ``is_weight`` (S, T), a constant: each token's surrogate times it (truncated importance
+    ``importance_weight`` (S, T), a constant: each token's surrogate times it (truncated importance
     sampling against a rollout engine, ``gradnorm.core.importance``); the KL term is not reweighted.
     """
     pg_loss, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
-    if is_weight is not None:
-        pg_loss = pg_loss * is_weight.detach()
+    if importance_weight is not None:
+        pg_loss = pg_loss * importance_weight.detach()
     if beta == 0.0:
         return TokenLosses(loss=pg_loss, pg_loss=pg_loss, clipped=clipped, kl=None, entropy=entropy)
     if ref_logp is None:

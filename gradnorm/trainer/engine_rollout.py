@@ -116,7 +116,7 @@ def minibatch_fields(correction: importance.EngineCorrection, span: slice) -> di
     """The ``step.Minibatch`` fields of the correction for the rollout's rows ``span``: the tokens the
     loss keeps when it drops some (mask), the surrogate's factor when it caps (truncate)."""
     return {"kept": correction.kept[span] if correction.dropped.any() else None,
-            "is_weight": None if correction.weight is None else correction.weight[span]}
+            "importance_weight": None if correction.weight is None else correction.weight[span]}
 
 
 def start(cfg, task, policy) -> EngineRollouts | None:

@@ -49,7 +49,7 @@ class Minibatch:
     kept: Tensor | None = None
     """(S, R) bool: the tokens the loss and the counts take, when --engine-correction mask drops some
     (``gradnorm.core.importance``); None: the response mask, ``rollout.mask``."""
-    is_weight: Tensor | None = None
+    importance_weight: Tensor | None = None
     """(S, R): each token's surrogate factor under --engine-correction truncate; None: 1."""
 
     @property
@@ -109,7 +109,7 @@ def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, plan: Plan
             logp, logp.detach() if batch.old_logp is None else batch.old_logp[idx], rows.advantages[idx],
             ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator, entropy=entropy.detach(),
-            is_weight=None if batch.is_weight is None else batch.is_weight[idx],
+            importance_weight=None if batch.importance_weight is None else batch.importance_weight[idx],
         )
 
     return forward
