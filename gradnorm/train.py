@@ -319,13 +319,6 @@ if __name__ == "__main__":
     pipes.survive_closed_stdout("the run goes on; its step lines are in metrics.jsonl")
     with preemption.catch_signals():  # SIGTERM, SIGINT: finish the step, checkpoint, exit 143 or 130
         code = main()
-    if comm.launched_by_torchrun():
-        # Skip interpreter finalization under torchrun. A gloo worker thread may still be dropping
-        # the last collective's tensors, which takes the GIL; during finalization that aborts the
-        # process ("terminate called without an active exception", SIGABRT) now and then, and
-        # torchrun reports the run as failed. Seen here under load; see pytorch/pytorch#179291.
-        # Everything is written, closed and torn down by now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if comm.launched_by_torchrun():  # everything is written, closed and torn down by now
+        comm.exit_without_finalizing(code)  # not sys.exit: see its docstring (pytorch/pytorch#179291)
     sys.exit(code)

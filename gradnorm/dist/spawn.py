@@ -66,6 +66,9 @@ def _spawned(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, 
         torch.save(fn(ctx, *args), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         comm.teardown()
+    # Done: the result is on disk. A failure above instead returns through mp.spawn, which sends
+    # its traceback to the parent; a success must not go through finalization (see its docstring).
+    comm.exit_without_finalizing(0)
 
 
 def spawn_gloo(fn: Callable, world_size: int, *args) -> list:
