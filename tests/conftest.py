@@ -1,5 +1,5 @@
-"""Shared test plumbing: examples/ on the path, hypothesis's fixed profile, and the browser tests
-need Chromium and Playwright.
+"""Shared test plumbing: examples/ on the path, hypothesis's fixed profile, the session's
+JupyterLab server, and the browser tests need Chromium and Playwright.
 
 The property tests (hypothesis) run under the profile ``fixed``: derandomized (the examples are a
 function of the test alone, so every run, local or CI, draws the same ones in the same time), a
@@ -54,6 +54,14 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def chromium_executable():
     return str(CHROMIUM)
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """The session's JupyterLab server (tests/helpers/jupyterlab.py), for the browser and safety tests."""
+    from tests.helpers.jupyterlab import serve
+
+    yield from serve(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@
     runfiles       what a run directory holds (metrics, comparable, every_file), assert_same_steps
                    (two runs' MEANINGFUL metrics agree) and launch_all
     longhand       the loss weights written out longhand, the oracle of the gradient tests
+    decoding       the decode loop's batch sizes written out longhand
+    jupyterlab     the session's JupyterLab server (serve, behind the lab fixture) and notebook_path
     oracle         the full-batch gradient oracle of the DDP/FSDP tests (oracle_gradient, flat) and
                    their modes (INVARIANT, MODES) and token-less minibatch (EMPTY)
     fakes          fake_model and fake_checkpoint: files the preflight takes for a model or checkpoint

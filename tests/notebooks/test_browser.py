@@ -1,9 +1,9 @@
 """The notebooks' widgets work for a reader: JupyterLab in a real browser, not only a kernel.
 
-One JupyterLab server for the session (127.0.0.1, a free port, a random token, fresh config,
-runtime, settings and workspace dirs, no news or update lookups) serves a copy of `notebooks/`
-with outputs stripped, so running them never writes into the repo and every output seen comes
-from this run. For each notebook, Playwright drives Debian's Chromium as a reader would:
+One JupyterLab server for the session (the ``lab`` fixture: tests/helpers/jupyterlab.py, on
+127.0.0.1, a free port, a random token, fresh config, runtime, settings and workspace dirs, no
+news or update lookups) serves a copy of `notebooks/` with outputs stripped, so running them never
+writes into the repo and every output seen comes from this run. For each notebook, Playwright drives Debian's Chromium as a reader would:
 
 1. open the notebook and pick "Run All Cells" from the Run menu;
 2. wait until the kernel is idle and every code cell has an execution count;
@@ -26,158 +26,27 @@ Without /usr/bin/chromium or playwright these tests skip, except with CI=true, w
 """
 
 import html
-import json
-import os
 import re
 import secrets
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 import nbformat
 import pytest
-from tests.helpers.skipping import skip_or_fail
+from tests.helpers.jupyterlab import notebook_path
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[2]
-REPO_NOTEBOOKS = REPO / "notebooks"
 CHROMIUM_ARGS = [  # as root, headless, on a machine with no network but loopback
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-dev-shm-usage",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 # Every wait is bounded. The notebooks are small; these are generous for 2 busy cores.
-SERVER_START_S = 90
 PAGE_LOAD_MS = 60_000
 RUN_ALL_MS = 150_000
 REDRAW_MS = 30_000
 QUIET_MS = 1_500  # the cell counts as redrawn for the last time once nothing changed for this long
 PRESSES = 3
 ERROR_TEXT = re.compile(r"Traceback|^\w*(Error|Exception)\b", re.M)  # not warnings, not progress bars
-
-
-# ---------------------------------------------------------------- JupyterLab server (session)
-
-@dataclass
-class Lab:
-    base_url: str
-    token: str
-    root: Path
-
-    def api(self, method, path):
-        req = urllib.request.Request(f"{self.base_url}{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read()
-        return json.loads(body) if body else None
-
-    def notebook_url(self, relpath, workspace):
-        # A workspace per test: no tab or kernel of an earlier test is restored into this one.
-        return f"{self.base_url}lab/workspaces/{workspace}/tree/{relpath}?token={self.token}"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _isolated_env(home):
-    env = dict(os.environ)
-    for var in ("MPLBACKEND", "JUPYTER_PATH", "JUPYTERLAB_DIR"):  # the kernel must use the inline backend
-        env.pop(var, None)
-    dirs = {"JUPYTER_CONFIG_DIR": "config", "JUPYTER_RUNTIME_DIR": "runtime", "JUPYTER_DATA_DIR": "data",
-            "JUPYTERLAB_SETTINGS_DIR": "settings", "JUPYTERLAB_WORKSPACES_DIR": "workspaces",
-            "IPYTHONDIR": "ipython"}
-    for var, name in dirs.items():
-        (home / name).mkdir(parents=True, exist_ok=True)
-        env[var] = str(home / name)
-    # Two cores: keep the kernel's torch and BLAS to one thread (the notebooks also call set_num_threads(1)).
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               JUPYTER_PLATFORM_DIRS="1", PYDEVD_DISABLE_FILE_VALIDATION="1")
-    # No "would you like news?" toast over the page, and no request for news or updates.
-    notification = home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-    notification.parent.mkdir(parents=True, exist_ok=True)
-    notification.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    return env
-
-
-def copy_for_the_reader(src, dst):
-    """Copy a notebook without outputs, so that every count and output seen comes from this run."""
-    nb = nbformat.read(src, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
-    nbformat.write(nb, dst)
-
-
-@pytest.fixture(scope="session")
-def lab(tmp_path_factory):
-    home = tmp_path_factory.mktemp("jupyter-home")
-    root = tmp_path_factory.mktemp("lab-root")
-    (root / "notebooks").mkdir()
-    for src in REPO_NOTEBOOKS.glob("*.ipynb"):
-        copy_for_the_reader(src, root / "notebooks" / src.name)
-    if (REPO / "figures").is_dir():  # the notebooks' markdown shows ../figures/*.png
-        shutil.copytree(REPO / "figures", root / "figures", ignore=shutil.ignore_patterns("*.py"))
-    port, token = _free_port(), secrets.token_hex(16)
-    cmd = [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser",
-           "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-           f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
-           "--ServerApp.terminals_enabled=False", "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate",
-           "--LabApp.extension_manager=readonly",
-           "--LabApp.expose_app_in_browser=True"]  # lets the test read kernel and cell state
-    log_path = home / "jupyterlab.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=root, env=_isolated_env(home), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        server = Lab(f"http://127.0.0.1:{port}/", token, root)
-        try:
-            _wait_until_it_answers(server, proc, log_path)
-            yield server
-        finally:
-            _stop(server, proc)
-
-
-def _wait_until_it_answers(server, proc, log_path):
-    deadline = time.monotonic() + SERVER_START_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"JupyterLab exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            server.api("GET", "api/status")
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"JupyterLab did not answer in {SERVER_START_S}s:\n"
-                                   f"{log_path.read_text()[-3000:]}") from None
-            time.sleep(0.25)
-
-
-def _stop(server, proc):
-    """Shut the server down through its API (which stops its kernels), then by signal if need be."""
-    if proc.poll() is None:
-        try:
-            server.api("POST", "api/shutdown")
-            proc.wait(timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return
-        os.killpg(proc.pid, sig)  # its own session, started above: the server and what it spawned
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 # ---------------------------------------------------------------- browser and page
@@ -370,13 +239,6 @@ _JS_SETTLED_AND_REDRAWN = """({cell, before, quietMs, key}) => {""" + _JS_PANEL 
 
 # ---------------------------------------------------------------- the notebooks
 
-def _notebook(name):
-    path = REPO_NOTEBOOKS / name
-    if not path.exists():  # in CI (CI=true) a missing notebook fails
-        skip_or_fail(f"notebook not present yet: notebooks/{name}")
-    return f"notebooks/{name}"
-
-
 @pytest.mark.parametrize("name, description, factory, options", [
     pytest.param("01_token_imbalance.ipynb", "imbalance", "token_imbalance_explorer", "IMBALANCES", id="01"),
     pytest.param("04_denominators_and_length_bias.ipynb", "wrong length", "length_bias_explorer", None, id="04"),
@@ -384,7 +246,7 @@ def _notebook(name):
 def test_notebook_slider_redraws_its_plot(page, lab, tmp_path, name, description, factory, options):
     from gradnorm.teach import widgets
 
-    relpath, stem = _notebook(name), name[:2]
+    relpath, stem = notebook_path(name), name[:2]
     open_and_run_all(page, lab, relpath, tmp_path, stem)
     move = move_slider_and_check_redraw(page, description, tmp_path, stem)
     # An IntSlider moves by 1 per press; a SelectionSlider (01's exact imbalances) by one option.

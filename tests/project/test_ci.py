@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.notebooks import test_browser
+from tests.helpers.jupyterlab import notebook_path
 from tests.helpers.skipping import skip_or_fail
 
 
@@ -18,5 +18,5 @@ def test_skip_or_fail_fails_only_in_ci(monkeypatch, ci, outcome):
 def test_a_missing_notebook_fails_the_browser_test_in_ci(monkeypatch, ci, outcome):
     monkeypatch.setenv("CI", ci)
     with pytest.raises(outcome, match="notebook not present yet: notebooks/no_such_notebook.ipynb"):
-        test_browser._notebook("no_such_notebook.ipynb")
-    assert test_browser._notebook("01_token_imbalance.ipynb") == "notebooks/01_token_imbalance.ipynb"
+        notebook_path("no_such_notebook.ipynb")
+    assert notebook_path("01_token_imbalance.ipynb") == "notebooks/01_token_imbalance.ipynb"

@@ -1,7 +1,7 @@
 """Untrusted files never run code, and the one server the tests start is reachable only locally, with a token.
 
 These replace two checks that grepped source text (a ``weights_only=True`` on the same line as
-``torch.load``; the server flags in tests/notebooks/test_browser.py): a grep passes for code that never runs
+``torch.load``; the server flags in tests/helpers/jupyterlab.py): a grep passes for code that never runs
 and fails for a harmless reformatting. Here the behaviour is exercised.
 
 Every loader a user can point at a file of unknown origin gets poisoned files, whose unpickling
@@ -25,7 +25,7 @@ The controls: each poison does run through a loader without the guard (``pickle.
 ``torch.load(weights_only=False)`` of the very bytes DCP would read, DCP's own ``dcp.load``), so
 none of these checks passes for a payload that would never have run anyway.
 
-And JupyterLab, started by tests/notebooks/test_browser.py's own ``lab`` fixture: every socket its process
+And JupyterLab, started by the session's ``lab`` fixture (tests/helpers/jupyterlab.py): every socket its process
 listens on is bound to 127.0.0.1, and its API answers 403 without the token or with a wrong one.
 """
 
@@ -180,9 +180,6 @@ def test_a_poisoned_hugging_face_model_never_runs_its_payload(tmp_path):
 
 
 # ------------------------------------------------------------------ the test suite's server
-
-from tests.notebooks.test_browser import lab  # noqa: E402,F401  tests/notebooks/test_browser.py's session fixture, the server itself
-
 
 def listening_addresses(port: int) -> set[str]:
     """Every address that the process serving ``port`` (and its children) listens on."""

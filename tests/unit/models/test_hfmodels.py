@@ -79,7 +79,7 @@ def test_seeded_sampling_is_bit_identical_and_seed_dependent(policy):
 
 def test_dropping_finished_rows_changes_no_token_while_the_batch_shrinks(policy):
     from gradnorm.trainer.rollout import sequence_uniforms
-    from tests.unit.trainer.test_rollout import decode_batch_sizes
+    from tests.helpers.decoding import decode_batch_sizes
 
     model, task = policy
     prompts, _ = task.sample_prompts(16, torch.Generator().manual_seed(0))  # left-padded by different amounts

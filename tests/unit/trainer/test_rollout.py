@@ -24,9 +24,10 @@ from torch.testing import assert_close
 
 from gradnorm.dist import wrap
 from gradnorm.dist.spawn import spawn_gloo
+from tests.helpers.decoding import decode_batch_sizes
 from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout, group_split, sequence_uniforms
-from gradnorm.models.sampling import DROP_AT, NonFiniteLogitsError, decode, sample_next
+from gradnorm.models.sampling import NonFiniteLogitsError, decode, sample_next
 from gradnorm.tasks import CharTokenizer, RepeatTask
 from gradnorm.models.tinygpt import GPTConfig, KVCache, TinyGPT, generate
 
@@ -140,16 +141,6 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_changes_no_token(monkeypat
     distinct = torch.randint(3, V, (6, P), generator=torch.Generator().manual_seed(1))
     kept, none = sampling.distinct_prompts(distinct)
     assert kept is distinct and none is None  # all distinct: the batch goes through as it is
-
-
-def decode_batch_sizes(B: int, running: list[int]) -> list[int]:
-    """Longhand: the batch of each forward (the prefill first) when running[t] rows are left after draw t."""
-    sizes = [B]
-    for left in running:
-        left = max(left, 1)  # a batch never empties: a finished row stands in
-        sizes.append(left if B - left >= DROP_AT * B else B)
-        B = sizes[-1]
-    return sizes
 
 
 class BatchSizes(TinyGPT):
