@@ -1,5 +1,5 @@
-"""Shared test plumbing: examples/ on the path, hypothesis's fixed profile, the session's
-JupyterLab server, and the browser tests need Chromium and Playwright.
+"""Shared test plumbing: examples/ on the path, hypothesis's fixed profile, the session's shared
+launches and JupyterLab server, and the browser tests need Chromium and Playwright.
 
 The property tests (hypothesis) run under the profile ``fixed``: derandomized (the examples are a
 function of the test alone, so every run, local or CI, draws the same ones in the same time), a
@@ -22,6 +22,7 @@ from hypothesis import settings
 # examples/tiny_models.py builds the tiny random Hugging Face models the tests train (offline)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from tests.helpers.launches import Launched
 from tests.helpers.skipping import skip_or_fail
 
 settings.register_profile("fixed", derandomize=True, max_examples=100, database=None, deadline=None,
@@ -54,6 +55,16 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def chromium_executable():
     return str(CHROMIUM)
+
+
+@pytest.fixture(scope="session")
+def launched(tmp_path_factory):
+    """The session's shared runs (tests/helpers/launches.py): ``launched(name)`` is the directory of
+    ``LAUNCHES[name]``, launched once, on first use. At the end, none of them may have changed."""
+    table = Launched(tmp_path_factory.mktemp("launches"))
+    yield table
+    changed = table.close()
+    assert not changed, f"a test wrote into the shared runs {changed}: work on a copy (shutil.copytree)"
 
 
 @pytest.fixture(scope="session")

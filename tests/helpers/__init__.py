@@ -4,6 +4,8 @@
                    it, run_main, torchrun_cmd and one_error_line
     runfiles       what a run directory holds (metrics, comparable, every_file), assert_same_steps
                    (two runs' MEANINGFUL metrics agree) and launch_all
+    launches       LAUNCHES, the session's table of shared runs, each launched once (the
+                   ``launched`` fixture of tests/conftest.py reads it)
     longhand       the loss weights written out longhand, the oracle of the gradient tests
     decoding       the decode loop's batch sizes written out longhand
     jupyterlab     the session's JupyterLab server (serve, behind the lab fixture) and notebook_path

@@ -1,8 +1,11 @@
-"""Faults the tests inject: a failing checkpoint publish, a malicious pickle, a dead process's pid."""
+"""Faults the tests inject: a failing checkpoint publish, a malicious pickle, a dead process's pid, and
+the two halves of killing a torchrun worker at a marker its run writes (find the worker, wait for the marker)."""
 
 import errno
 import os
 import subprocess
+import time
+from pathlib import Path
 
 from gradnorm.trainer.checkpoint import store
 
@@ -31,3 +34,23 @@ def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid  # reaped: no process has it now (pids are not reused this fast)
+
+
+def rank_1_worker(psutil, agent_pid: int, not_pid: int | None = None):
+    """The live gradnorm/train.py worker with RANK=1 under the torchrun agent ``agent_pid``, other
+    than ``not_pid`` (the one before a restart); None while there is none."""
+    for proc in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if "gradnorm/train.py" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == "1" \
+                    and proc.pid != not_pid:
+                return proc
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def wait_for_file(path: Path, job: subprocess.Popen, deadline: float, poll_s: float = 0.001) -> None:
+    """Return once ``path`` exists; fail if ``job`` ends or ``deadline`` (time.monotonic) passes first."""
+    while not path.exists():
+        assert job.poll() is None and time.monotonic() < deadline, f"the run ended before {path.name} appeared"
+        time.sleep(poll_s)

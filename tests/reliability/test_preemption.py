@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.faults import rank_1_worker
 from tests.helpers.runfiles import comparable, metrics
 from tests.helpers.trainer import tiny, torchrun_cmd
 
@@ -237,15 +238,10 @@ def uninterrupted(tmp_path_factory):
 def rank1_worker(agent_pid: int) -> int:
     psutil = pytest.importorskip("psutil")
     deadline = time.monotonic() + 60
-    while True:
-        for p in psutil.Process(agent_pid).children(recursive=True):
-            try:
-                if "gradnorm/train.py" in " ".join(p.cmdline()) and p.environ().get("LOCAL_RANK") == "1":
-                    return p.pid
-            except psutil.NoSuchProcess:
-                continue
-        assert time.monotonic() < deadline, "no worker with LOCAL_RANK=1"
+    while (worker := rank_1_worker(psutil, agent_pid)) is None:
+        assert time.monotonic() < deadline, "no worker with RANK=1"
         time.sleep(0.05)
+    return worker.pid
 
 
 @pytest.mark.slow

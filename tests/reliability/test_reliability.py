@@ -8,8 +8,9 @@ holds the tests that the other test files did not already have.
   per-token loss, the sampler). No fault-injection flag exists in the trainer itself.
 - Bad checkpoints (missing, truncated, foreign, malicious) go through ``--resume``; the sharded
   format's own faults (a save killed mid-write, a full disk) are in tests/e2e/test_checkpoints.py.
-- The slow tests launch ``torchrun --nproc_per_node=2``: SIGKILL of one rank mid-run, then
-  ``--resume``; and a checkpoint moved between world sizes 2 -> 1 and 1 -> 2.
+- The slow tests launch ``torchrun --nproc_per_node=2``: SIGKILL of one rank at a checkpoint
+  marker, then ``--resume`` against the session's shared uninterrupted twin; and a checkpoint
+  moved between world sizes 2 -> 1 and 1 -> 2.
 """
 
 import io
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.faults import Evil
+from tests.helpers.faults import Evil, rank_1_worker, wait_for_file
+from tests.helpers.launches import KILLED
 from tests.helpers.runfiles import assert_same_steps, comparable, launch_all, metrics
 from tests.helpers.trainer import TINY, one_error_line, run_main, torchrun_cmd
 
@@ -305,23 +307,22 @@ def single_cmd(out: Path, *flags: str) -> list[str]:
     return [sys.executable, "gradnorm/train.py", *TINY, "--output-dir", str(out), *flags]
 
 
-CRASH_FLAGS = ["--steps", "120", "--save-every", "20", "--timeout-s", "10"]
-
-
 @pytest.mark.slow
-def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_path):
+def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_run(tmp_path, launched):
+    """Rank 1 SIGKILLed at a marker its run writes (ckpt_step4, 20 steps before the end): the job
+    ends, the checkpoint before the kill loads, and --resume logs what the session's uninterrupted
+    twin (tests/helpers/launches.py) logs."""
     psutil = pytest.importorskip("psutil")
-    crashed, full = tmp_path / "crashed", tmp_path / "full"
-    job = subprocess.Popen(torchrun_cmd(crashed, *CRASH_FLAGS), cwd=ROOT, env=ENV, start_new_session=True,
+    crashed = tmp_path / "crashed"
+    launched.start("twin-w2-24")
+    job = subprocess.Popen(torchrun_cmd(crashed, *KILLED), cwd=ROOT, env=ENV, start_new_session=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
-        while not (crashed / "ckpt_step40").exists():
-            assert job.poll() is None and time.monotonic() < deadline, "the run ended before its 2nd checkpoint"
-            time.sleep(0.05)
-        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
-                   if "gradnorm/train.py" in " ".join(p.cmdline())]
-        victim = next(p for p in workers if p.environ().get("LOCAL_RANK") == "1")
+        while (victim := rank_1_worker(psutil, job.pid)) is None:  # found early: the kill follows the marker at once
+            assert job.poll() is None and time.monotonic() < deadline, "no worker with RANK=1"
+            time.sleep(0.02)
+        wait_for_file(crashed / "ckpt_step4", job, deadline)
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
         output, _ = job.communicate(timeout=60)
@@ -336,11 +337,11 @@ def test_sigkill_of_one_rank_ends_the_job_and_resume_matches_an_uninterrupted_ru
     latest = store.latest_checkpoint(crashed)
     assert latest is not None and not list(crashed.glob(".ckpt_step*.tmp"))  # no torn write left behind
     assert_finite_weights(latest)  # loads through the safe readers
-    assert len(metrics(crashed)) < 120
+    assert len(metrics(crashed)) < 24
 
-    launch_all([torchrun_cmd(crashed, *CRASH_FLAGS, "--resume"), torchrun_cmd(full, *CRASH_FLAGS)], ROOT, ENV)
-    assert [m["step"] for m in comparable(crashed)] == list(range(1, 121))
-    assert comparable(crashed) == comparable(full)
+    launch_all([torchrun_cmd(crashed, *KILLED, "--resume")], ROOT, ENV)
+    assert [m["step"] for m in comparable(crashed)] == list(range(1, 25))
+    assert comparable(crashed) == comparable(launched("twin-w2-24"))
 
 
 @pytest.mark.slow
