@@ -6,6 +6,8 @@
                    (two runs' MEANINGFUL metrics agree) and launch_all
     launches       LAUNCHES, the session's table of shared runs, each launched once (the
                    ``launched`` fixture of tests/conftest.py reads it)
+    twins          python -m tests.helpers.twins: the runs of a session that trained the same
+                   thing from scratch, the candidates for LAUNCHES
     longhand       the loss weights written out longhand, the oracle of the gradient tests
     decoding       the decode loop's batch sizes written out longhand
     jupyterlab     the session's JupyterLab server (serve, behind the lab fixture) and notebook_path
