@@ -13,7 +13,8 @@ What must hold, on one tiny config (4 prompts x 4 completions, ragged response l
 - every line has the phase times, which add up to the step, with the max over the 2 ranks.
 
 The W = 1 references run the script's ``main()`` in one plain Python process (no torchrun);
-every other run is its own torchrun launch (11 of them), two at a time (``launch_all``).
+every other run of the module's fixture is its own torchrun launch, two at a time (``launch_all``),
+and the resume test launches the two halves of its interrupted run itself.
 """
 
 import json
