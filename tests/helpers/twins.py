@@ -6,7 +6,7 @@
 The trainer writes config.json into every run directory: every flag of the run and one
 ``history`` entry per start. A run is *uninterrupted* when it was trained in its directory (a
 copy's config.json names the directory it came from), started once, from step 0, and logged
-every step up to ``--steps``. Two uninterrupted runs are *twins* when every flag but
+its last step (``--steps``). Two uninterrupted runs are *twins* when every flag but
 where and how they started (``output_dir`` and the resume switches, which change nothing in a
 fresh run) is the same, world size and prompt file included: they logged the same steps. Twins
 that different tests read are what ``LAUNCHES`` (tests/helpers/launches.py) is for: launch one
@@ -31,6 +31,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers.runfiles import metrics
+
 # Where and how a run started: the same training whatever their values, in a run that started once.
 HOW_STARTED = ("output_dir", "resume", "auto_resume", "overwrite", "history")
 
@@ -47,27 +49,17 @@ class Run:
 
     @property
     def uninterrupted(self) -> bool:
-        """Trained here (not a copy), started once, from step 0, and logged every step up to --steps."""
+        """Trained here (not a copy), started once, from step 0, and logged its last step (--steps)."""
         if self.copied:
             return False
         history = self.config.get("history", [])
         if len(history) != 1 or history[0].get("step") != 0:
             return False
-        return last_step(self.directory / "metrics.jsonl") == self.config.get("steps")
-
-
-def last_step(path: Path) -> int | None:
-    """The step of the last line of a metrics.jsonl, None when it has none (or no file)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
         try:
-            return json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
+            rows = metrics(self.directory)
+        except (OSError, ValueError):  # no metrics.jsonl, or a line torn by a kill
+            return False
+        return bool(rows) and rows[-1].get("step") == self.config.get("steps")
 
 
 def runs_under(basetemp: Path) -> list[Run]:

@@ -40,13 +40,16 @@ def test_twins_are_uninterrupted_runs_of_the_same_flags_and_nothing_else(runs_di
     fake_run(runs_dir / "test_c0" / "other-seed", seed=4)
     fake_run(runs_dir / "test_d0" / "resumed", starts=(0, 2))  # its first half is not the full run
     fake_run(runs_dir / "test_e0" / "killed", logged=2)  # died before its last step
+    fake_run(runs_dir / "test_e1" / "torn", logged=2)  # killed while writing its last line
+    with open(runs_dir / "test_e1" / "torn" / "metrics.jsonl", "a") as log:
+        log.write('{"step": 3, "lo')
     fake_run(runs_dir / "test_f0" / "one-rank", world_size=1)
     fake_run(runs_dir / "test_g0" / "fewer-steps", steps=2, logged=2)
     fake_run(runs_dir / "test_i0" / "copy", output_dir=str(runs_dir / "test_a0" / "reference"))  # copytree of one
     (runs_dir / "test_h0" / "tiny-llama").mkdir(parents=True)  # a Hugging Face model's config.json is no run
     (runs_dir / "test_h0" / "tiny-llama" / "config.json").write_text('{"model_type": "llama"}')
     runs = runs_under(runs_dir)
-    assert len(runs) == 8 and sum(run.uninterrupted for run in runs) == 5
+    assert len(runs) == 9 and sum(run.uninterrupted for run in runs) == 5
     assert names(twins(runs), runs_dir) == [["test_a0/reference", "test_b0/twin"]]
 
 
