@@ -1,0 +1,99 @@
+"""The probe model: a standard causal LM whose every token's gradient lands in a cell of its own.
+
+A Llama with no decoder layer is three tensors: an embedding E (V, V), a final RMSNorm with weight
+g (V,), and an LM head H (V, V). The probe sets
+
+    E = I (the identity)     g = sqrt(1/V) (eps = 0)     H = 0
+
+so the hidden state of input id k is exactly the one-hot e_k (RMSNorm of e_k is e_k * sqrt(V),
+and V = 4**n makes sqrt(V) and 1/V exact in floating point), and every logit is zero: the next
+token's distribution p is uniform, 1/V each. The gradient of the head is then
+
+    dH[:, k] = sum over positions with input id k of  (dloss/dlogits at that position)
+
+a column per input id. For a loss that weighs position (k -> y) by w and has slope a there
+(cross-entropy: dl/dlogits = w * a * (p - e_y), a = 1), column k reads
+
+    dH[y, k] = p_y * sum_pos w*a  -  sum_{pos with label y} w*a,
+
+and the row ``SINK`` (an id no data set ever uses as a label) holds the first term alone, so
+every (input id, label) pair's w * a = dH[SINK, k] - dH[y, k], exactly (``gradnorm.probe.readout``).
+The data sets (``gradnorm.probe.data``) give every content position an id of its own, so a pair
+names one token of one sequence, whatever rank, microbatch or pack it went to. Shared ids (EOS,
+padding) are told apart by their labels, which are unique.
+
+Because it is an ordinary ``LlamaForCausalLM`` saved with ``save_pretrained``, any script loads it
+with ``AutoModelForCausalLM.from_pretrained`` and no remote code; TRL's fused LM-head path reads
+``last_hidden_state`` and ``get_output_embeddings()`` as it would on a real model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+FIRST_CONTENT = 4  # ids FIRST_CONTENT .. V - 2 are the data sets' positions
+SPECIALS = {"<pad>": PAD, "<bos>": BOS, "<eos>": EOS, "<unk>": UNK}
+
+
+def vocab_size_for(num_ids: int) -> int:
+    """The smallest V = 4**n (n >= 4) with room for ``num_ids`` content ids, the specials and the sink."""
+    V = 256
+    while V - FIRST_CONTENT - 1 < num_ids:
+        V *= 4
+    return V
+
+
+def sink(vocab_size: int) -> int:
+    """The id no data set uses: its row of the head's gradient holds p_y * sum(w * a) alone."""
+    return vocab_size - 1
+
+
+def token_text(token_id: int) -> str:
+    """The word the probe's tokenizer maps to ``token_id`` (content ids are ``t<id>``)."""
+    for word, i in SPECIALS.items():
+        if i == token_id:
+            return word
+    return f"t{token_id}"
+
+
+def write_probe(directory: str | Path, vocab_size: int) -> Path:
+    """Write the probe (model and tokenizer) to ``directory``, loadable with ``from_pretrained``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # "Writing model shards" says nothing to an audit's reader
+
+    if vocab_size < 256 or vocab_size & (vocab_size - 1) or vocab_size.bit_length() % 2 == 0:
+        raise ValueError(f"vocab_size must be a power of 4 >= 256 (1/V and sqrt(V) exact), got {vocab_size}")
+    directory = Path(directory)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=vocab_size, intermediate_size=4, num_hidden_layers=0,
+                         num_attention_heads=1, num_key_value_heads=1, rms_norm_eps=0.0, tie_word_embeddings=False,
+                         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=4096,
+                         torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab_size))  # hidden state of id k: e_k
+        model.model.norm.weight.fill_(vocab_size ** -0.5)  # undoes RMSNorm's sqrt(V) on a one-hot, exactly
+        model.lm_head.weight.zero_()  # every logit 0: p = 1/V
+    model.generation_config.pad_token_id = PAD
+    model.save_pretrained(directory)
+    _tokenizer(vocab_size).save_pretrained(directory)
+    (directory / "gradnorm_probe.json").write_text(json.dumps({"vocab_size": vocab_size, "sink": sink(vocab_size)}))
+    return directory
+
+
+def _tokenizer(vocab_size: int):
+    """A word-level tokenizer: ``t<id>`` is id ``id``, words are split on whitespace, nothing is added."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token_text(i): i for i in range(vocab_size - 1)} | {"<sink>": sink(vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", model_max_length=4096)
