@@ -122,9 +122,90 @@ def test_effect_grid_draws_one_forest_per_measure_and_task():
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 1, squeeze=False)
     st.plot_effect_grid(axes, _tiny_study(), ["final_reward", "eval_reward_1-4"])
-    assert [t.get_text() for t in axes[0][0].get_yticklabels()] == ["local/length - token/length"]
+    assert [t.get_text() for t in axes[0][0].get_yticklabels()] == ["local/length - token"]
     assert not axes[1][0].axison  # the measure is not in the study
     plt.close(fig)
+
+
+def test_effect_panels_of_different_tasks_share_their_rows_and_keep_zero_off_the_edge():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    study = _tiny_study()
+    study["tasks"] = ["bimodal", "repeat"]
+    repeat = dict(study["comparisons"][0], task="repeat", cell="repeat/local/length", against="repeat/token/length",
+                  final_reward={"mean": 0.3, "lo": 0.0, "hi": 0.5})  # an interval that starts at zero
+    study["comparisons"].append(dict(repeat))
+    study["comparisons"][0] = dict(study["comparisons"][0], cell="bimodal/local/length/noclip",
+                                   against="bimodal/token/length/noclip")
+    study["comparisons"].insert(0, dict(study["comparisons"][0], cell="bimodal/local/length",
+                                        against="bimodal/token/length"))
+    fig, axes = plt.subplots(1, 2, squeeze=False)
+    st.plot_effect_grid(axes, study, ["final_reward"])
+    labels = [[t.get_text() for t in ax.get_yticklabels()] for ax in axes[0]]
+    assert labels[0] == labels[1] == ["local/length - token", "local/length/noclip - token/noclip"]
+    assert len(axes[0][1].lines) == 2 + 1  # repeat: one row drawn (bar and dot), the other blank; the zero line
+    lo, hi = axes[0][1].get_xlim()
+    assert lo < 0.0 < hi  # zero is inside the axis, not on its edge
+    plt.close(fig)
+
+
+def test_t_distribution_against_closed_forms():
+    import math
+    for t in (0.3, 1.0, 4.0, 30.0):
+        assert st.t_two_sided_p(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-9)  # Cauchy
+        assert st.t_two_sided_p(t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-9)
+    assert st.t_two_sided_p(0.0, 4) == 1.0 and st.t_two_sided_p(-1.0, 1) == st.t_two_sided_p(1.0, 1)
+    assert st.t_quantile(0.95, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-7)
+    assert st.t_quantile(0.95, 4) == pytest.approx(2.7764451, abs=1e-6)  # the tables' value
+    assert st.t_quantile(0.95, 200) == pytest.approx(1.9719, abs=1e-4)  # the tables' value, near the normal's 1.96
+
+
+def test_t_interval_and_paired_p_longhand():
+    x = [0.1, 0.4, 0.2, 0.5, 0.3]
+    se = np.std(x, ddof=1) / np.sqrt(5)  # 0.0707...
+    iv = st.t_interval(x)
+    assert iv.mean == pytest.approx(0.3) and iv.hi - iv.mean == pytest.approx(2.7764451 * se, rel=1e-6)
+    assert st.paired_t_p(x) == pytest.approx(st.t_two_sided_p(0.3 / se, 4))
+    assert st.paired_t_p([0.2] * 5) == 0.0 and st.paired_t_p([0.0] * 5) == 1.0
+    with pytest.raises(ValueError):
+        st.t_interval([1.0])
+
+
+def test_holm_steps_down_and_stops_at_the_first_failure():
+    # m = 4, thresholds .05/4, .05/3, .05/2, .05/1 = .0125, .0167, .025, .05 for the sorted
+    # p .001, .01, .03, .04: the first two pass, .03 > .025 fails and stops the rest
+    assert st.holm([0.01, 0.04, 0.03, 0.001]) == [True, False, False, True]
+    assert st.holm([0.03, 0.001, 0.04]) == [False, True, False]  # .04 < .05 would pass alone, but is not reached
+    assert st.holm([0.01, 0.015, 0.03, 0.001]) == [True] * 4
+    assert st.holm([0.04]) == [True] and st.holm([0.06]) == [False]
+    uncorrected = [p < 0.05 for p in (0.01, 0.04, 0.03, 0.001)]
+    assert uncorrected != st.holm([0.01, 0.04, 0.03, 0.001])  # control: the correction changes the answer
+
+
+def test_a_null_of_five_seeds_shows_the_bootstrap_too_narrow_and_the_t_interval_not():
+    rates = st.null_exclusion_rate(5, trials=600)
+    assert abs(rates["t"] - 0.05) < 0.03  # the t interval holds its 95%
+    assert rates["bootstrap"] > 0.1  # the percentile bootstrap of 5 values does not
+
+
+def test_seed_differences_reproduce_the_committed_study_intervals():
+    study = st.load_study()
+    tested = st.tested_differences(study)
+    assert len(tested) == len(st.differences(study)) and sum(r.main for r in tested) == 1
+    for r in tested:
+        again = st.paired_difference(st.seed_differences(study, r.cell, r.key), np.zeros(len(study["meta"]["seeds"])))
+        assert again == r.bootstrap, (r.cell, r.key)
+    broken = json_copy(study)
+    broken["cells"][0]["runs"][0]["final_reward"] += 1.0  # control: a changed run changes the recomputation
+    cell = f"{broken['cells'][0]['task']}/{broken['cells'][0]['mode']}/{broken['cells'][0]['shard']}"
+    assert not np.array_equal(st.seed_differences(broken, cell, "final_reward"),
+                              st.seed_differences(study, cell, "final_reward"))
+
+
+def json_copy(x):
+    import json
+    return json.loads(json.dumps(x))
 
 
 @pytest.mark.launch
