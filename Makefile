@@ -8,7 +8,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
-EXTRAS ?= notebooks,test,hf,report
+EXTRAS ?= notebooks,test,hf,report,trainers
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 

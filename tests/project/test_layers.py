@@ -33,7 +33,7 @@ ALLOWED = {
     "trainer": {"core", "cli", "dist", "models", "tasks"},
     "entry": {"core", "cli", "dist", "models", "tasks", "trainer"},
     "teach": {"core", "dist", "models", "tasks", "trainer"},
-    "audit": {"core", "cli", "teach"},
+    "audit": {"core", "cli", "teach", "dist"},  # dist: the trainer audit's worker leaves as the trainer's ranks do
 }
 # The teaching modules that exist to start processes (spawned gloo ranks, torchrun runs): the only
 # ones a notebook imports that may load the distributed shell.

@@ -3,7 +3,7 @@
 Each data set is a list of rows (an SFT text, a DPO pair's chosen or rejected response), and each
 row a list of **slots**: a (input id, label id) pair, the token the loss predicts at one position.
 Content ids are handed out in order, one per position, so a slot names one token of one row, and
-``gradnorm.probe.readout`` reads its weight out of the probe head's gradient. The last slot of a
+``gradnorm.audit.trainer.readout`` reads its weight out of the probe head's gradient. The last slot of a
 row predicts EOS from the row's last id; whether it counts depends on whether the trainer appends
 EOS, which the recorded inputs say (``Slot.eos``).
 
@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradnorm.probe.model import EOS, FIRST_CONTENT, token_text, vocab_size_for
+from gradnorm.audit.trainer.model import EOS, FIRST_CONTENT, token_text, vocab_size_for
 
 RAGGED = (1, 24, 2, 17, 3, 12, 5, 20, 1, 9, 14, 4, 22, 2, 7, 11, 1, 16, 6, 24, 3, 10, 13, 2)
 """Label counts the data sets cycle through: 1 to 24, in an order that puts long and short side by side."""

@@ -2,7 +2,7 @@
 
 The trainer audit's command (``gradnorm/audit/__main__.py`` hands it every command line that holds
 ``--trainer`` or ``--script``). It prints progress, then the loss audit's report of the trainer
-(``gradnorm.probe.audit``) and what only a trainer run shows: the total weight of each
+(``gradnorm.audit.trainer.audit``) and what only a trainer run shows: the total weight of each
 configuration against the reference's (a scale error: every gradient k times too large), the
 gradient outside the data's tokens, ranks that stepped with different gradients.
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from gradnorm.audit.objectives import DEFAULT_BETA
 from gradnorm.audit.verdict import format_report
 from gradnorm.cli.oneline import OneLineParser
-from gradnorm.probe.audit import TrainerReport, audit_script, audit_trainer
-from gradnorm.probe.launch import TrainerError
-from gradnorm.probe.worker import BUILD_KEYWORDS
+from gradnorm.audit.trainer.audit import TrainerReport, audit_script, audit_trainer
+from gradnorm.audit.trainer.launch import TrainerError
+from gradnorm.audit.trainer.worker import BUILD_KEYWORDS
 
 
 class _Stopped(BaseException):

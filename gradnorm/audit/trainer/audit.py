@@ -1,10 +1,10 @@
 """The trainer audit: a real trainer's per-token weights under several (W, A), in the loss audit's report.
 
 ``audit_trainer`` writes the probe model and data set into a temporary folder, trains the user's
-trainer on them once per configuration (``gradnorm.probe.launch``): first one process with one
+trainer on them once per configuration (``gradnorm.audit.trainer.launch``): first one process with one
 microbatch holding the whole data set (the reference), then each (W, A) asked for, every rank
 reading ``per_device_batch = size / (W * A)`` units per microbatch. Each run's weights come out of
-the probe's gradient (``gradnorm.probe.readout``), and ``gradnorm.audit.decide`` compares them with
+the probe's gradient (``gradnorm.audit.trainer.readout``), and ``gradnorm.audit.decide`` compares them with
 the reference and with gradnorm's modes, exactly as it does a loss's: the same Report, verdict and
 exit status.
 
@@ -27,10 +27,10 @@ from gradnorm.audit.decide import Report, _decide
 from gradnorm.audit.measurement import Convention, Point, Result
 from gradnorm.audit.objectives import DEFAULT_BETA, get, mode_weights
 from gradnorm.audit.synthetic import SyntheticBatch
-from gradnorm.probe.data import ProbeData, dpo_data, sft_data
-from gradnorm.probe.launch import Configuration, TrainerError, run_build, run_script
-from gradnorm.probe.model import write_probe
-from gradnorm.probe.readout import Readout, ReadoutError, read
+from gradnorm.audit.trainer.data import ProbeData, dpo_data, sft_data
+from gradnorm.audit.trainer.launch import Configuration, TrainerError, run_build, run_script
+from gradnorm.audit.trainer.model import write_probe
+from gradnorm.audit.trainer.readout import Readout, ReadoutError, read
 
 DATA = {"sft": sft_data, "dpo": dpo_data}
 TOLERANCE = 1e-6

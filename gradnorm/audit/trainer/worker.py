@@ -1,10 +1,10 @@
-"""One trainer process of a trainer audit: ``python -m gradnorm.probe.worker SPEC.json`` (under torchrun or not).
+"""One trainer process of a trainer audit: ``python -m gradnorm.audit.trainer.worker SPEC.json`` (under torchrun or not).
 
-It installs the recorder (``gradnorm.probe.recorder``), loads the probe model, its tokenizer and
+It installs the recorder (``gradnorm.audit.trainer.recorder``), loads the probe model, its tokenizer and
 the probe data set, calls the user's build function with the keywords it asks for, and trains
 the trainer it returns. The recorder writes this rank's gradient at the first optimizer step. A
 failure is one line in ``error.rank<R>.txt`` in the probe output folder and exit status 3; the
-audit reports it (``gradnorm.probe.launch``).
+audit reports it (``gradnorm.audit.trainer.launch``).
 
 The build function may ask for any of ``BUILD_KEYWORDS``, by name::
 
@@ -39,7 +39,7 @@ def _error_path(out: Path) -> Path:
 
 
 def run(spec: dict) -> None:
-    from gradnorm.probe.recorder import install
+    from gradnorm.audit.trainer.recorder import install
 
     install()
     import torch

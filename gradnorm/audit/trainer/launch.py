@@ -1,6 +1,6 @@
 """Running a real trainer on the probe: one launch per configuration, real processes, nothing left behind.
 
-A configuration (W, A) runs the user's build function in ``gradnorm.probe.worker`` processes:
+A configuration (W, A) runs the user's build function in ``gradnorm.audit.trainer.worker`` processes:
 one plain process for W = 1, ``torchrun --standalone --nproc_per_node W`` otherwise (gloo on CPU,
 NCCL on GPUs, as the trainer chooses). A script runs as the user typed it, with the probe's paths
 where its placeholders are and this package's ``site/`` first on PYTHONPATH, whose
@@ -107,7 +107,7 @@ def run_build(build: str, config: Configuration, model_path: Path, data_path: Pa
             "per_device_batch": config.per_device_batch}
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
-    worker = ["-m", "gradnorm.probe.worker", str(out / "spec.json")]
+    worker = ["-m", "gradnorm.audit.trainer.worker", str(out / "spec.json")]
     if config.world_size == 1:
         argv = [sys.executable, *worker]
     else:

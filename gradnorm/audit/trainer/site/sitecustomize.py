@@ -4,6 +4,6 @@ runs (this folder is put first on PYTHONPATH): it installs the probe's recorder,
 import os
 
 if os.environ.get("GRADNORM_PROBE_OUT"):
-    from gradnorm.probe.recorder import install
+    from gradnorm.audit.trainer.recorder import install
 
     install()

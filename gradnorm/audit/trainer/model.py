@@ -17,8 +17,8 @@ a column per input id. For a loss that weighs position (k -> y) by w and has slo
     dH[y, k] = p_y * sum_pos w*a  -  sum_{pos with label y} w*a,
 
 and the row ``SINK`` (an id no data set ever uses as a label) holds the first term alone, so
-every (input id, label) pair's w * a = dH[SINK, k] - dH[y, k], exactly (``gradnorm.probe.readout``).
-The data sets (``gradnorm.probe.data``) give every content position an id of its own, so a pair
+every (input id, label) pair's w * a = dH[SINK, k] - dH[y, k], exactly (``gradnorm.audit.trainer.readout``).
+The data sets (``gradnorm.audit.trainer.data``) give every content position an id of its own, so a pair
 names one token of one sequence, whatever rank, microbatch or pack it went to. Shared ids (EOS,
 padding) are told apart by their labels, which are unique.
 

@@ -1,7 +1,7 @@
 """From the probe head's gradient and the recorded inputs to every token's weight and every rank's share (pure).
 
 At the first step the head H is 0, so every position's next-token distribution is uniform and, for
-any loss whose per-position gradient in the logits is w * a * (p - e_y) (``gradnorm.probe.model``),
+any loss whose per-position gradient in the logits is w * a * (p - e_y) (``gradnorm.audit.trainer.model``),
 
     value(k, y) = dH[SINK, k] - dH[y, k] = sum over positions (k -> y) of w * a.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradnorm.probe.data import ProbeData
-from gradnorm.probe.model import EOS, sink
+from gradnorm.audit.trainer.data import ProbeData
+from gradnorm.audit.trainer.model import EOS, sink
 
 
 class ReadoutError(ValueError):
@@ -55,7 +55,7 @@ def slot_table(data: ProbeData) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def read(data: ProbeData, records: list[dict]) -> Readout:
-    """The readout of one run from its ranks' records (``gradnorm.probe.recorder``), ordered by rank."""
+    """The readout of one run from its ranks' records (``gradnorm.audit.trainer.recorder``), ordered by rank."""
     if not records:
         raise ReadoutError("the trainer never stepped its optimizer: no rank reached an optimizer step")
     grads = [r["grad"] for r in records]

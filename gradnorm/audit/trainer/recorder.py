@@ -12,7 +12,7 @@
   ``$GRADNORM_PROBE_OUT/rank<R>.pt``. Later steps are not read.
 
 The environment says what to do: ``GRADNORM_PROBE_OUT`` (where to write) and
-``GRADNORM_PROBE_VOCAB`` (V). ``gradnorm/probe/site/sitecustomize.py`` calls ``install()`` in
+``GRADNORM_PROBE_VOCAB`` (V). ``gradnorm/audit/trainer/site/sitecustomize.py`` calls ``install()`` in
 every Python process of a command run by ``python -m gradnorm.audit --script``.
 """
 

@@ -1,0 +1,116 @@
+"""The trainer audit on the real transformers Trainer: torchrun launches over gloo, 2 ranks x 2 accumulation steps.
+
+Each case reads every label token's weight out of the Trainer with the probe, against one process
+with the whole data set in one microbatch, and checks the verdict derived by hand in
+docs/audit.md ("Trainers measured"):
+
+- a model that takes the loss kwargs: the Trainer hands it the step's label count over every rank
+  (num_items_in_batch), so every token weighs 1/N under any (W, A): INVARIANT, equal to `token`;
+- the control that must fail, a model that takes **kwargs and drops them: each microbatch's own
+  mean, times W (the Trainer undoes DDP's mean for a model it believes counts globally), not
+  divided by A: weights 1/N[r,m] summing to W*A, SKEWED, named a W*A scale error;
+- `average_tokens_across_devices` off: each rank divides by its own count, 1/(W*N_r): SKEWED;
+- the same Trainer as an unchanged script (``--script``), the control again.
+
+Bad input ends in one ``error:`` line and exit 2.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradnorm.audit.trainer.audit import audit_trainer
+from gradnorm.audit.trainer.cli import trainer_lines
+
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
+ROOT = Path(__file__).resolve().parents[2]
+BUILDS = ROOT / "examples" / "trainers" / "hf_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def audits():
+    return {name: audit_trainer(f"{BUILDS}:{name}", world_sizes=(2,), accum_steps=(2,))
+            for name in ("build", "build_dropping", "build_per_rank")}
+
+
+def _N(result):
+    return int(result.report.batch.mask.sum())
+
+
+def test_loss_kwargs_taken_is_invariant_token(audits):
+    result = audits["build"]
+    report = result.report
+    assert report.exit_code == 0 and report.equals == "token"
+    for res in report.results:  # every label token exactly 1/N, fp32 rounding of the gradient aside
+        weights = res.weights[report.batch.mask]
+        torch.testing.assert_close(weights, torch.full_like(weights, 1 / _N(result)), rtol=1e-6, atol=0)
+    assert report.results[1].world_size == 2 and report.results[1].accum_steps == 2
+    assert trainer_lines(result) == []
+
+
+def test_loss_kwargs_dropped_is_skewed_by_w_times_a(audits):
+    result = audits["build_dropping"]
+    report = result.report
+    assert report.exit_code == 1 and report.equals is None
+    res = report.results[1]
+    assert float(res.weights.sum()) == pytest.approx(4.0, rel=1e-6)  # W*A
+    weights = res.weights[report.batch.mask]
+    assert float(weights.max() / weights.min()) > 2  # microbatches of unequal counts: not a uniform scale
+    expected = torch.zeros_like(res.weights)  # longhand: each microbatch's own mean, times W, not divided by A
+    for rank in res.plan:
+        for mb in rank:
+            expected[mb] = report.batch.mask[mb].double() / report.batch.mask[mb].sum()
+    torch.testing.assert_close(res.weights, expected, rtol=1e-6, atol=1e-12)
+    assert any("= W*A times the reference's" in line for line in trainer_lines(result))
+
+
+def test_per_rank_average_is_skewed(audits):
+    result = audits["build_per_rank"]
+    report = result.report
+    assert report.exit_code == 1
+    res = report.results[1]
+    expected = torch.zeros_like(res.weights)  # longhand: 1 / (W * N_r), N_r the rank's labels over its microbatches
+    for rank in res.plan:
+        rows = torch.cat(rank)
+        expected[rows] = report.batch.mask[rows].double() / (len(res.plan) * report.batch.mask[rows].sum())
+    torch.testing.assert_close(res.weights, expected, rtol=1e-6, atol=1e-12)
+
+
+def _audit(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "gradnorm.audit", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_unchanged_script_dropping_loss_kwargs_is_skewed():
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    proc = _audit("--script", "--", torchrun, "--standalone", "--nproc_per_node", "2", "examples/trainers/hf_script.py",
+                  "--model", "{model}", "--data", "{data}", "--output-dir", "{output_dir}", "--grad-accum", "2",
+                  "--drop-loss-kwargs")
+    assert proc.returncode == 1, proc.stderr
+    assert "verdict: SKEWED" in proc.stdout and "= W*A times the reference's" in proc.stdout
+
+
+@pytest.mark.parametrize("build, message", [
+    ("no_trainer", "returned NoneType, not a trainer"),
+    ("never_steps", "ended without an optimizer step"),
+    ("raises", "failed on rank 0: RuntimeError: the build failed"),
+])
+def test_bad_builds_are_one_line(tmp_path, build, message):
+    (tmp_path / "builds.py").write_text(
+        "def no_trainer(model):\n    return None\n"
+        "class Idle:\n    def train(self):\n        pass\n"
+        "def never_steps(model):\n    return Idle()\n"
+        "def raises():\n    raise RuntimeError('the build failed')\n")
+    proc = _audit("--trainer", f"{tmp_path / 'builds.py'}:{build}", "--world-size", "1", "--accum-steps", "2")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_script_without_placeholder_is_refused():
+    proc = _audit("--script", "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 2 and "no {model} placeholder" in proc.stderr
