@@ -129,8 +129,8 @@ def describe_token_imbalance(batch: ShardedBatch, artists: dict) -> str:
                else "")
     return (
         f"Tokens per microbatch: {per_mb}{more} (N = {int(n)}).<br>"
-        f"<b>rank 0: {local.update[0]:.0%} of the update for {local.tokens[0]:.0%} of the tokens</b> under "
-        f"{_colored('local')}; {token.update[0]:.0%} under {_colored('token')}. "
+        f"<b>rank 0 holds {local.tokens[0]:.0%} of the tokens: {local.update[0]:.0%} of the update</b> under "
+        f"{_colored('local')}, {token.update[0]:.0%} of the update under {_colored('token')}. "
         f"Under local a token of rank 0's first microbatch weighs {vs_full}{short * n:.2f}x its correct weight 1/N."
     )
 

@@ -35,7 +35,7 @@ def test_token_imbalance_explorer_defaults():
     assert_allclose([b.get_width() for b in bars], [6 / 156] * 2 + [24 / 156] * 6)
     assert_allclose(sum(b.get_width() * b.get_height() for b in bars), 1.0)
     assert_allclose(explorer.artists["line"].get_ydata(), 1.0)  # token: every token weighs 1/N
-    assert "rank 0: 50% of the update for 38% of the tokens" in explorer.text
+    assert "rank 0 holds 38% of the tokens: 50% of the update under local, 38% of the update under token" in explorer.text
     # the ratio to a token of a full microbatch (the imbalance) and to the correct weight 1/N
     assert "weighs 4.00x a token of a full microbatch and 3.25x its correct weight 1/N" in explorer.text
     assert explorer.image.value[:8] == b"\x89PNG\r\n\x1a\n"
@@ -115,7 +115,7 @@ def test_moving_the_imbalance_slider_to_one_balances_local():
     explorer.controls["imbalance"].value = 1  # what a reader's keyboard does
     assert_allclose(bar_heights(explorer.artists["share_bars"]["tokens"]), [0.5, 0.5])
     assert_allclose(bar_heights(explorer.artists["weights"]["local"]), 1.0)  # balanced: local is the token mean
-    assert "50% of the update for 50% of the tokens" in explorer.readout.value
+    assert "rank 0 holds 50% of the tokens: 50% of the update" in explorer.readout.value
     assert "weighs 1.00x a token of a full microbatch and 1.00x its correct weight" in explorer.text
     assert explorer.image.value != before[0] and explorer.readout.value != before[1]
 
@@ -135,7 +135,7 @@ def test_bar_heights_follow_the_sliders(world_size, accum_steps, imbalance):
     assert sum(b.get_visible() for b in explorer.artists["weights"]["local"]) == len(batch.lengths)
     assert len(artists["share_bars"]["local"]) == world_size
     local = batch_rank_shares(batch, "local")
-    expected = f"rank 0: {local.update[0]:.0%} of the update for {local.tokens[0]:.0%} of the tokens"
+    expected = f"rank 0 holds {local.tokens[0]:.0%} of the tokens: {local.update[0]:.0%} of the update"
     assert expected in explorer.readout.value
     if world_size * accum_steps > 1:  # the control: ragged microbatches must move local off the tokens
         assert not np.allclose(local.update, local.tokens)
