@@ -203,8 +203,10 @@ class GradientView:
             ax.set_xlabel(X_LABEL[unit])
             ax.set_ylabel(ylabel)
             ax.set_title(title, loc="left", fontsize="medium")
-        self.mode_text = self.ax_e.text(0.97, 0.55, "", transform=self.ax_e.transAxes, ha="right", va="center",
-                                        fontsize="medium")  # between the bug's level (top) and rounding's (bottom)
+        # Above the axes, right of the title: inside them a curve that jumps between the bug's level and
+        # rounding's (local under balanced sharding) crosses any fixed spot.
+        self.mode_text = self.ax_e.text(1.0, 1.02, "", transform=self.ax_e.transAxes, ha="right", va="bottom",
+                                        fontsize="medium", fontweight="bold")
         self.dynamic: list[Artist] = [*self.bars, self.setting, *_spines(self.ax_t), self.ax_t.yaxis]
         for ax, line, dot in zip((self.ax_e, self.ax_c), self.lines, self.dots):
             self.dynamic += [line, dot, *_spines(ax)]

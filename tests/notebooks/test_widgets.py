@@ -166,6 +166,17 @@ def test_gradient_explorer_lines_are_the_sweep(gradient_explorer):
     assert f"relative error {sweep.relative_error['local'][-1]:.3g}" in explorer.readout.value
 
 
+def test_gradient_explorer_names_its_mode_above_the_curves(gradient_explorer):
+    """The mode's label sits above the error axes, so no curve can run through it: under
+    ``balanced`` local's error jumps between rounding and a few percent across the whole height."""
+    explorer = gradient_explorer
+    explorer.update(mode="local", shard="balanced", spread=12.0)
+    ax = explorer.artists["lines"]["local"][0].axes
+    label = next(t for t in ax.texts if t.get_text() == "mode: local")
+    x, y = label.get_position()
+    assert label.get_transform() == ax.transAxes and y > 1.0 and label.get_va() == "bottom"
+
+
 def test_gradient_explorer_mode_shard_and_spread(gradient_explorer):
     explorer = gradient_explorer
     explorer.update(mode="local", shard="length", spread=12.0)
