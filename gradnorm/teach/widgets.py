@@ -213,7 +213,10 @@ def describe_correct_vs_wrong(view) -> str:
         return abs(down) / up
 
     others = ("token", "group", "constant")
-    return (f"N = {view.tokens} tokens; pushes in units of 1/N. A wrong token is pushed down "
+    # The advantages themselves: the only thing the std changes, and why the shares do not move
+    # with the number correct (they sum to zero over the group).
+    return (f"Advantages: {view.advantage_correct:+.3f} for a correct response, {view.advantage_wrong:+.3f} for a "
+            f"wrong one. N = {view.tokens} tokens; pushes in units of 1/N. A wrong token is pushed down "
             f"<b>{down_vs_up('sequence'):.2f}x</b> as hard as a correct token is pushed up under sequence, "
             + ", ".join(f"{down_vs_up(m):.2f}x under {m}" for m in others)
             + f". Correct responses get <b>{view.update_share['sequence'][0]:.0%}</b> of the update under sequence, "

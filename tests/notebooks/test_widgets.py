@@ -209,8 +209,12 @@ def test_length_bias_explorer():
     assert abs(down) / up == pytest.approx(1.0)
     assert_allclose(bar_heights(explorer.artists["share_correct"]), 0.5)
     assert "<b>1.00x</b>" in explorer.readout.value
+    before = explorer.readout.value
     explorer.controls["scale_by_std"].value = False
     assert explorer.artists["view"].advantage_correct == pytest.approx(0.5)  # 1 - mean reward 0.5
+    # the std moves only the advantages, and the readout says so in its first line
+    assert "Advantages: +0.500 for a correct response, -0.500 for a wrong one." in explorer.readout.value
+    assert explorer.readout.value != before and explorer.readout.value.split(" N = ")[1] == before.split(" N = ")[1]
 
 
 def test_token_imbalance_stills_fit_their_own_height_axis():
