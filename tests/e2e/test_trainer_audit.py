@@ -9,6 +9,8 @@ docs/audit.md ("Trainers measured"):
 - the control that must fail, a model that takes **kwargs and drops them: each microbatch's own
   mean, times W (the Trainer undoes DDP's mean for a model it believes counts globally), not
   divided by A: weights 1/N[r,m] summing to W*A, SKEWED, named a W*A scale error;
+- the dropping model with gradnorm's fix, ``compute_loss_func=global_token_loss``
+  (``gradnorm.integrations.hf_trainer``): INVARIANT, `token` again;
 - `average_tokens_across_devices` off: each rank divides by its own count, 1/(W*N_r): SKEWED;
 - the same Trainer as an unchanged script (``--script``), the control again.
 
@@ -33,15 +35,16 @@ BUILDS = ROOT / "examples" / "trainers" / "hf_trainer.py"
 @pytest.fixture(scope="module")
 def audits():
     return {name: audit_trainer(f"{BUILDS}:{name}", world_sizes=(2,), accum_steps=(2,))
-            for name in ("build", "build_dropping", "build_per_rank")}
+            for name in ("build", "build_dropping", "build_per_rank", "build_dropping_fixed")}
 
 
 def _N(result):
     return int(result.report.batch.mask.sum())
 
 
-def test_loss_kwargs_taken_is_invariant_token(audits):
-    result = audits["build"]
+@pytest.mark.parametrize("build", ["build", "build_dropping_fixed"])
+def test_loss_kwargs_taken_or_fixed_is_invariant_token(audits, build):
+    result = audits[build]
     report = result.report
     assert report.exit_code == 0 and report.equals == "token"
     for res in report.results:  # every label token exactly 1/N, fp32 rounding of the gradient aside

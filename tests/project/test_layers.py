@@ -34,6 +34,7 @@ ALLOWED = {
     "entry": {"core", "cli", "dist", "models", "tasks", "trainer"},
     "teach": {"core", "dist", "models", "tasks", "trainer"},
     "audit": {"core", "cli", "teach", "dist"},  # dist: the trainer audit's worker leaves as the trainer's ranks do
+    "integrations": set(),  # the fix inside other projects' trainers: their APIs only
 }
 # The teaching modules that exist to start processes (spawned gloo ranks, torchrun runs): the only
 # ones a notebook imports that may load the distributed shell.

@@ -1,0 +1,9 @@
+"""The fix inside the trainers people use, each in the form that trainer already offers.
+
+- ``hf_trainer``  transformers' ``Trainer``: ``compute_loss_func=global_token_loss`` weighs every label
+                  token by the step's global label count, whatever the model does with the loss kwargs
+
+Each names the versions it was tested with (``TESTED``) and is proven by the trainer audit
+(``python -m gradnorm.audit --trainer``; tests/e2e/test_trainer_audit.py), with the same trainer
+without it as the control that must fail.
+"""
