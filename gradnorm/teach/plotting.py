@@ -81,7 +81,8 @@ def plot_gradient_sweep(
     top = max(2.0, nice_ceiling(1.2 * largest))
     out = {}
     for mode in modes:
-        style = {**mode_style(mode), "label": mode_label(mode)}
+        # "token (DAPO)" names a GRPO paper: on an SFT or DPO loss the mode's own name says it all
+        style = {**mode_style(mode), "label": mode_label(mode) if sweep.loss == "grpo" else mode}
         error, one_minus_cos = on_log_axis(sweep, mode)
         out[mode] = (ax_error.plot(sweep.x, error, **style)[0],
                      ax_cosine.plot(sweep.x, one_minus_cos, **style)[0])

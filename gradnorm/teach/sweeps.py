@@ -97,6 +97,7 @@ class GradientSweep:
     relative_error: dict[str, np.ndarray]  # mode -> (K,)
     cosine: dict[str, np.ndarray]  # mode -> (K,)
     unit: str = "tokens"  # what microbatch_tokens counts
+    loss: str = "grpo"  # the objective measured: "grpo", "sft" or "dpo" (legends name a GRPO paper only for "grpo")
 
 
 def gradient_sweep(
@@ -129,7 +130,7 @@ def gradient_sweep(
     return GradientSweep(
         shard=shard, world_size=world_size, accum_steps=accum_steps, x=np.asarray(spreads, dtype=float),
         microbatch_tokens=np.array(tokens), relative_error={m: np.array(v) for m, v in rel.items()},
-        cosine={m: np.array(v) for m, v in cos.items()},
+        cosine={m: np.array(v) for m, v in cos.items()}, loss=loss,
     )
 
 
@@ -233,7 +234,7 @@ def dpo_sweep(
         shard="token budget", world_size=world_size, accum_steps=accum_steps,
         x=np.asarray(pair_ratios, dtype=float), microbatch_tokens=np.array(pairs_per_mb),
         relative_error={m: np.array(v) for m, v in rel.items()}, cosine={m: np.array(v) for m, v in cos.items()},
-        unit="pairs",
+        unit="pairs", loss="dpo",
     )
 
 

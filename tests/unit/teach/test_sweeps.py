@@ -130,3 +130,25 @@ def test_long_pairs_explain_locals_cosine_exactly_and_a_wrong_share_does_not():
     assert_allclose(lp.share_full, [8 / 32, 3 / 27, 2 / 26]) and set(lp.share_local) == {0.25}
     wrong = sweeps.LongPairs(lp.x, lp.share_full, lp.share_full * 2, lp.norm_ratio, lp.cosine_long_short)
     assert abs(wrong.predicted_cosine() - dpo.cosine["local"])[1:].min() > 1e-3  # the control
+
+
+def test_sweep_legends_name_a_grpo_paper_only_on_a_grpo_loss():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gradnorm.teach.plotting import plot_gradient_sweep
+    from gradnorm.teach.sweeps import GradientSweep
+
+    labels = {}
+    for loss in ("grpo", "sft"):
+        sweep = GradientSweep(shard="length", world_size=2, accum_steps=2, x=np.array([1.0, 2.0]),
+                              microbatch_tokens=np.ones((2, 2, 2)), relative_error={"local": np.array([0.0, 0.1]),
+                              "token": np.zeros(2), "sequence": np.zeros(2)},
+                              cosine={m: np.ones(2) for m in ("local", "token", "sequence")}, loss=loss)
+        fig, (a, b) = plt.subplots(1, 2)
+        plot_gradient_sweep(a, b, sweep)
+        labels[loss] = [t.get_text() for t in a.get_legend().get_texts()]
+        plt.close(fig)
+    assert labels["grpo"] == ["local", "token (DAPO)", "sequence (DeepSeekMath GRPO)"]  # the control
+    assert labels["sft"] == ["local", "token", "sequence"]
