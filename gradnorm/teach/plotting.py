@@ -130,3 +130,20 @@ def plot_sharding_comparison(
     ax.set_ylim(bottom=0)
     ax.legend(fontsize="small", title="sharding", title_fontsize="small")
     return out
+
+
+def mark_microbatches(ax: Axes, rank: Sequence[int], microbatch: Sequence[int], rows: int) -> list[int]:
+    """On a weight map whose rows are sequences in plan order (``rank`` and ``microbatch`` of each
+    row, e.g. ``gradnorm.audit.plot.plan_rows``): over its first ``rows`` rows, a dashed line
+    between microbatches and each microbatch's name ("r0/m1") inside the right edge (the
+    caller's y axis spans exactly those rows, top to bottom).
+
+    The map's own dotted lines vanish at 64 rows; a zoom on a few rows needs them drawn boldly to
+    tell microbatches apart. Returns the rows where a new microbatch starts (0 included)."""
+    starts = [0] + [j for j in range(1, rows) if (rank[j], microbatch[j]) != (rank[j - 1], microbatch[j - 1])]
+    for j in starts[1:]:
+        ax.axhline(j - 0.5, color="black", lw=1.6, ls="--")
+    for a, b in zip(starts, starts[1:] + [rows]):
+        ax.text(0.98, 1 - (a + b) / (2 * rows), f"r{rank[a]}/m{microbatch[a]}", transform=ax.transAxes,
+                va="center", ha="right", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    return starts
