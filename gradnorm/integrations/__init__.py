@@ -2,6 +2,8 @@
 
 - ``hf_trainer``  transformers' ``Trainer``: ``compute_loss_func=global_token_loss`` weighs every label
                   token by the step's global label count, whatever the model does with the loss kwargs
+- ``accelerate_loop``  a plain accelerate loop: ``step_label_count`` (the one all-reduce) and
+                  ``token_sum_loss`` (x W for DDP's mean, x A for ``accelerator.backward``'s 1/A)
 
 Each names the versions it was tested with (``TESTED``) and is proven by the trainer audit
 (``python -m gradnorm.audit --trainer``; tests/e2e/test_trainer_audit.py), with the same trainer

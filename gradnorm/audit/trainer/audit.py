@@ -33,8 +33,10 @@ from gradnorm.audit.trainer.model import write_probe
 from gradnorm.audit.trainer.readout import Readout, ReadoutError, read
 
 DATA = {"sft": sft_data, "dpo": dpo_data}
-TOLERANCE = 1e-6
-"""Relative: the probe's gradient is fp32 (a weight read to ~1e-7 of itself), its arithmetic exact elsewhere."""
+TOLERANCE = 1e-5
+"""Relative. The probe's gradient is fp32, read to about 1e-7 of a weight; a trainer's own fp32
+arithmetic adds its rounding (TRL's chunked LM-head loss gives a label token 1/N to a few 1e-6),
+so two configurations agree, and a mode fits, within 1e-5; a skew of this class is 1e-2 or more."""
 
 
 @dataclass

@@ -4,12 +4,13 @@
 
 - a module forward pre-hook that, for the probe's embedding (an ``nn.Embedding`` of shape (V, V))
   called with gradients enabled, keeps the input ids: each call is one microbatch's forward on
-  this rank (generation and reference forwards run without gradients and are not kept), and
-  remembers the probe's LM head (the ``nn.Linear`` of shape (V, V) called with gradients);
+  this rank (generation and reference forwards run without gradients and are not kept);
 - an optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``) that, at
   the first optimizer step of the process, saves the head's gradient as the optimizer is about to
   take it (after DDP's all-reduce, accumulation and any clipping) with the recorded inputs, to
-  ``$GRADNORM_PROBE_OUT/rank<R>.pt``. Later steps are not read.
+  ``$GRADNORM_PROBE_OUT/rank<R>.pt``. Later steps are not read. The head is the optimizer's one
+  (V, V) parameter that is not the embedding: a trainer may apply it without calling its module
+  (TRL's fused LM-head loss reads ``get_output_embeddings().weight``), so no forward hook sees it.
 
 The environment says what to do: ``GRADNORM_PROBE_OUT`` (where to write) and
 ``GRADNORM_PROBE_VOCAB`` (V). ``gradnorm/audit/trainer/site/sitecustomize.py`` calls ``install()`` in
@@ -33,7 +34,7 @@ def install() -> bool:
     out, vocab = os.environ.get("GRADNORM_PROBE_OUT"), os.environ.get("GRADNORM_PROBE_VOCAB")
     if not out or not vocab or _state:
         return False
-    _state.update(out=Path(out), vocab=int(vocab), forwards=[], head=None, done=False,
+    _state.update(out=Path(out), vocab=int(vocab), forwards=[], embedding=None, done=False,
                   rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     nn.modules.module.register_module_forward_pre_hook(_on_forward)
     register_optimizer_step_pre_hook(_on_step)
@@ -46,15 +47,17 @@ def _on_forward(module: nn.Module, args: tuple) -> None:
     V = _state["vocab"]
     if isinstance(module, nn.Embedding) and tuple(module.weight.shape) == (V, V) and args:
         _state["forwards"].append(args[0].detach().to("cpu", copy=True))
-    elif isinstance(module, nn.Linear) and tuple(module.weight.shape) == (V, V):
-        _state["head"] = module.weight
+        _state["embedding"] = module.weight
 
 
 def _on_step(optimizer, args, kwargs) -> None:
     if _state["done"]:
         return
     _state["done"] = True
-    head = _state["head"]
+    V, embedding = _state["vocab"], _state["embedding"]
+    heads = [p for group in optimizer.param_groups for p in group["params"]
+             if tuple(p.shape) == (V, V) and p is not embedding]
+    head = heads[0] if len(heads) == 1 and embedding is not None else None
     grad = None if head is None or head.grad is None else head.grad.detach().to("cpu", torch.float64, copy=True)
     out = _state["out"]
     out.mkdir(parents=True, exist_ok=True)
