@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 
 from gradnorm.cli.oneline import OneLineParser  # the trainer's too: one error: line, exit code 2
-from gradnorm.trainer.checkpoint.export import export_checkpoint, save_trained, write_pretrained  # noqa: F401 (the API)
+from gradnorm.trainer.checkpoint.export import CheckpointError, export_checkpoint, save_trained, write_pretrained  # noqa: F401 (the API)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as err:  # bad input or environment, found before anything is written
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:  # a failed write (full disk...)
+    except CheckpointError as err:  # a failed write (a full disk...), whatever the writer raised
+        print(f"error: could not export to {args.out} ({err}); nothing was written there", file=sys.stderr)
+        return 1
+    except OSError as err:  # reading the checkpoint failed
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"saved {out} (AutoModelForCausalLM.from_pretrained)")

@@ -26,6 +26,7 @@ def write_pretrained(config: Any, weights: dict[str, torch.Tensor], tokenizer: A
     Written to ``.{name}.tmp`` beside ``out_dir``, then renamed over it: an interrupted export
     leaves no half directory that ``from_pretrained`` could pick up. Only a directory an export
     wrote is ever deleted (``gradnorm.trainer.guards.outpaths``); anything else is a one-line ValueError first.
+    A failed write (a full disk...) is a CheckpointError that says why in one line, whatever raised it.
     """
     transformers = hf.require_transformers()
     out = outpaths.check_export_dir(out_dir, flag="the export directory")  # checked again: a run lasts days
@@ -43,6 +44,8 @@ def write_pretrained(config: Any, weights: dict[str, torch.Tensor], tokenizer: A
         tokenizer.save_pretrained(tmp)
         outpaths.remove(out)
         os.replace(tmp, out)
+    except Exception as err:  # a full disk: safetensors raises its own SafetensorError, no OSError
+        raise CheckpointError(described(err, out.parent)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -59,7 +62,8 @@ def save_trained(model: torch.nn.Module, tokenizer: Any, out_dir: Path, is_main:
         except Exception as err:  # a full disk (safetensors' own error), the target changed since the preflight:
             error = err  # every rank must learn it, or the others wait in all_true
     if not comm.all_true(error is None):
-        what = described(error, out_dir) if error is not None else "it failed on rank 0"
+        what = (str(error) if isinstance(error, CheckpointError) else described(error, out_dir)) if error is not None \
+            else "it failed on rank 0"
         raise CheckpointError(f"could not export the trained policy to {out_dir} ({what}); "
                                             "the checkpoints are intact: python -m gradnorm.export converts them")
 
