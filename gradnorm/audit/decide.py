@@ -252,6 +252,25 @@ def audit_plans(loss_fn, batch: SyntheticBatch, plans: dict[str, Plan] | Sequenc
     return report
 
 
+def decide(name: str, batch: SyntheticBatch, results: list[Result], *, objective: str | Objective = "grpo",
+           tol: float = 1e-6, convention: Convention = Convention(), beta: float = DEFAULT_BETA,
+           step: bool = False) -> Report:
+    """The loss audit's report of weights measured elsewhere: the public entry for a caller that reads
+    per-token weights itself (the trainer audit) and wants the same report as ``audit``.
+
+    ``batch``: the ``SyntheticBatch`` the weights were read on (mask (S, T) bool, advantages (S,),
+    group_ids (S,), group_size); ``results``: one ``measurement.Result`` per configuration, the
+    first the reference (one process, one microbatch), each with its label, plan (per rank, per
+    microbatch, the sequence indices), weights (S, T) float64, residual (zeros when none was
+    read), update_share and token_share (W,); ``objective``: "grpo", "sft" or "dpo" (or an
+    ``Objective``); ``beta``: the DPO temperature the weights were read with; ``step``: the weights
+    came from a rank's step rather than a microbatch loss; ``convention``: the loop around the loss.
+    Words: ``gradnorm.audit.verdict.format_report(report)``; status: ``report.exit_code``.
+    """
+    point = Point(objective if isinstance(objective, Objective) else _objective(objective), beta, step)
+    return _decide(name, batch, convention, results, tol, point, term=False)
+
+
 def _decide(name: str, batch: SyntheticBatch, convention: Convention, results: list[Result], tol: float,
             point: Point, term: bool) -> Report:
     """The report of one set of weights (a loss's, or one of its terms') against the reference and the modes."""
