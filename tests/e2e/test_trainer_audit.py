@@ -26,6 +26,7 @@ import torch
 
 from gradnorm.audit.trainer.audit import audit_trainer
 from gradnorm.audit.trainer.cli import trainer_lines
+from gradnorm.testing import assert_trainer_invariant
 
 pytestmark = [pytest.mark.slow, pytest.mark.launch]
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,12 @@ BUILDS = ROOT / "examples" / "trainers" / "hf_trainer.py"
 
 @pytest.fixture(scope="module")
 def audits():
-    return {name: audit_trainer(f"{BUILDS}:{name}", world_sizes=(2,), accum_steps=(2,))
-            for name in ("build", "build_dropping", "build_per_rank", "build_dropping_fixed")}
+    """One audit per build, shared by the tests that read it; the fixed build through gradnorm.testing, as a
+    framework's own suite would call it (it returns the report when the trainer passes)."""
+    found = {name: audit_trainer(f"{BUILDS}:{name}", world_sizes=(2,), accum_steps=(2,))
+             for name in ("build", "build_dropping", "build_per_rank")}
+    found["build_dropping_fixed"] = assert_trainer_invariant(f"{BUILDS}:build_dropping_fixed")
+    return found
 
 
 def _N(result):
@@ -68,6 +73,18 @@ def test_loss_kwargs_dropped_is_skewed_by_w_times_a(audits):
             expected[mb] = report.batch.mask[mb].double() / report.batch.mask[mb].sum()
     torch.testing.assert_close(res.weights, expected, rtol=1e-6, atol=1e-12)
     assert any("= W*A times the reference's" in line for line in trainer_lines(result))
+
+
+def test_assert_trainer_invariant_names_the_loudest_rank_and_the_mode(audits):
+    """gradnorm.testing's failure on the dropping model (the control): one message a test log can be read by."""
+    with pytest.raises(AssertionError) as failed:
+        assert_trainer_invariant(f"{BUILDS}:build_dropping")
+    first = str(failed.value).splitlines()[0]
+    res = audits["build_dropping"].report.results[1]
+    loudest = int((res.update_share - res.token_share).argmax())
+    assert f"rank {loudest} takes" in first and "is not invariant on W=2 x A=2" in first
+    assert "equal gradnorm's `local`" in first or "equal no gradnorm mode" in first
+    assert "= W*A times the reference's" in str(failed.value)
 
 
 def test_per_rank_average_is_skewed(audits):
