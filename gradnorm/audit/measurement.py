@@ -172,7 +172,7 @@ def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor,
         try:
             signature.bind(*args, **asked)
         except TypeError as err:
-            raise ContractError(f"the loss cannot take the audit's arguments ({err}); "
+            raise ContractError(f"the loss cannot take the audit's arguments ({err}){_step_hint(signature)}; "
                                 f"{point.objective.describe()}") from None
         try:
             loss = loss_fn(*args, **asked)
@@ -191,6 +191,13 @@ def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor,
             grads.setdefault(name, torch.zeros(S * T + 1, dtype=batch.logp.dtype))
             grads[name].index_add_(0, call.index.reshape(-1), g.reshape(-1))
     return grads
+
+
+def _step_hint(signature: inspect.Signature) -> str:
+    """A function whose first parameter is ``microbatches`` is a rank's step, audited with --step."""
+    first = next(iter(signature.parameters), None)
+    return (f": its first parameter is `{first}`, a rank's step? audit it with --step"
+            if first == "microbatches" else "")
 
 
 def names_terms(loss_fn, batch: SyntheticBatch, layout: Layout, point: Point) -> bool:
