@@ -17,6 +17,7 @@ import contextlib
 import io
 import math
 import multiprocessing
+import os
 import signal
 import sys
 import textwrap
@@ -212,6 +213,11 @@ def _splits(args) -> Splits:
 
 INTERRUPTED = 130
 """Exit status after a real Ctrl-C (128 + SIGINT), as for the trainer."""
+TERMINATED = 143
+"""Exit status after a SIGTERM (128 + 15): a CI job's timeout; the loss's child goes with the command."""
+REAPED_AFTER = 5.0
+"""Seconds the command waits for the child to end after its report came: a thread the loss started that
+never ends (not a daemon) must not hold the command, nor the child outlive it."""
 
 
 class _CtrlC(BaseException):
@@ -219,8 +225,16 @@ class _CtrlC(BaseException):
     KeyboardInterrupt the loss raises itself as the loss's failure, exit 2) lets it through."""
 
 
+class _Terminated(BaseException):
+    """A SIGTERM to the command, raised where the parent waits, so that its ``finally`` ends the child."""
+
+
 def _on_ctrl_c(signum, frame):
     raise _CtrlC
+
+
+def _on_term(signum, frame):
+    raise _Terminated
 
 
 def main(argv: Sequence[str] | None = None, isolate: bool = False) -> int:
@@ -231,18 +245,23 @@ def main(argv: Sequence[str] | None = None, isolate: bool = False) -> int:
     ``os._exit``, a crash in C code or a signal in it ends the child, not the command: the parent
     prints a verdict only from a report the child sent, and otherwise one line, exit 2.
     """
-    try:
-        previous = signal.signal(signal.SIGINT, _on_ctrl_c)
-    except ValueError:  # not the main thread: leave Ctrl-C as it is
-        previous = None
+    previous = {}
+    for signum, handler in ((signal.SIGINT, _on_ctrl_c), (signal.SIGTERM, _on_term)):
+        try:
+            previous[signum] = signal.signal(signum, handler)
+        except ValueError:  # not the main thread: leave the signals as they are
+            pass
     try:
         return _isolated(argv) if isolate else _run(argv)
     except _CtrlC:
         print("error: interrupted (Ctrl-C): no report", file=sys.stderr)
         return INTERRUPTED
+    except _Terminated:
+        print("error: terminated (SIGTERM): no report", file=sys.stderr)
+        return TERMINATED
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _isolated(argv: Sequence[str] | None) -> int:
@@ -271,10 +290,10 @@ def _isolated(argv: Sequence[str] | None) -> int:
             printed, said, code = receive.recv()
         except EOFError:  # the child ended without a report
             printed, said, code = None, "", None
-        child.join()
+        child.join(REAPED_AFTER if printed is not None else None)  # a report in hand: a stuck exit is not waited on
     finally:
-        if child.is_alive():  # Ctrl-C in the parent: the child goes too
-            child.terminate()
+        if child.is_alive():  # Ctrl-C or SIGTERM in the parent, or a child stuck after its report: it goes too
+            child.kill()
             child.join()
     if printed is None:
         ended = child.exitcode
@@ -288,9 +307,17 @@ def _isolated(argv: Sequence[str] | None) -> int:
     return code
 
 
+class _Kept(io.StringIO):
+    """What the child prints: a loss that closes sys.stdout (or stderr) closes nothing the report needs."""
+
+    def close(self) -> None:
+        pass
+
+
 def _child(argv: list[str], send) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent takes Ctrl-C, and ends this process
-    printed, said = io.StringIO(), io.StringIO()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler is not this process's: a SIGTERM ends it
+    printed, said = _Kept(), _Kept()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):  # the loss's own prints come too
         try:
             code = _run(argv)
@@ -299,6 +326,9 @@ def _child(argv: list[str], send) -> None:
             code = 2
     send.send((printed.getvalue(), said.getvalue(), code))
     send.close()
+    # The report is sent: end here, so that a thread the loss left running (not a daemon) cannot hold the
+    # process in the interpreter's shutdown, which joins every such thread.
+    os._exit(0)
 
 
 def _run(argv: Sequence[str] | None) -> int:

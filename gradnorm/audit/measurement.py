@@ -59,6 +59,10 @@ class Convention:
         return Loop(self.scale_by_accum, self.reduction, self.cp_reduction, self.pipeline_combine)
 
 
+LOSS_EXITS = (*USER_EXITS, GeneratorExit)
+"""What a loss or step may raise that is its failure: a GeneratorExit too (a BaseException, as a
+generator's close() raises it), which would otherwise read as the audit's own failure."""
+
 PAD_LOGP = -1.0
 """The log-prob a packed row's padding holds (it belongs to no sequence and carries no advantage)."""
 KL_OFFSET = 0.1
@@ -176,7 +180,7 @@ def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor,
                                 f"{point.objective.describe()}") from None
         try:
             loss = loss_fn(*args, **asked)
-        except USER_EXITS as err:
+        except LOSS_EXITS as err:
             raise ContractError(f"the loss raised {describe(err)} {where}") from None
         terms = _terms(loss, where)
         named, before = set(terms) - {None}, set(grads) - {None}
@@ -236,7 +240,7 @@ def _call_step(step_fn, batch: SyntheticBatch, layout: Layout, advantages: Tenso
                                 "microbatches (a list of dicts) and, by name, world_size and rank") from None
         try:
             step_fn(microbatches, **asked)
-        except USER_EXITS as err:
+        except LOSS_EXITS as err:
             raise ContractError(f"the step raised {describe(err)} {where}") from None
         if all(leaf.grad is None for leaf in leaves):
             raise ContractError(f"the step called no backward that reaches logp (no gradient) {where}")
