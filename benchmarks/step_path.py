@@ -6,11 +6,15 @@
 One process, the built-in model, 3 steps; the profile hook records every call into a file under
 gradnorm/ during step 2 (from its rollout to the next one). Printed: the distinct files entered,
 the changes of file along the call sequence and how many of those go back to a file already left,
-and the calls the loop of gradnorm/train.py makes itself (how deep the step's ideas sit).
+and the calls gradnorm/train.py makes itself (how deep the step's ideas sit): each call site, its
+line of source and how often it ran, so the count all-reduce, each microbatch's weights (the line
+that multiplies them by W follows) and its backward show as calls made from train.py.
 """
 
+import linecache
 import os
 import sys
+from collections import Counter
 import tempfile
 from pathlib import Path
 
@@ -23,12 +27,16 @@ def main(root: Path) -> None:
     from gradnorm import train
 
     pkg, loop_file = str(root / "gradnorm"), str(root / "gradnorm" / "train.py")
-    rollouts, recording, path, from_loop = [0], [False], [], []
+    rollouts, recording, path, from_loop, sites = [0], [False], [], [], Counter()
 
     def profile(frame, event, arg):
         if event != "call":
             return
         where = frame.f_code.co_filename
+        caller = frame.f_back
+        if recording[0] and caller is not None and caller.f_code.co_filename == loop_file and where != loop_file \
+                and (where.startswith(pkg) or frame.f_code.co_name == "backward"):  # torch's backward, too
+            sites[(caller.f_lineno, frame.f_code.co_name)] += 1
         if not where.startswith(pkg):
             return
         if frame.f_code.co_name == "generate_rollout":
@@ -58,6 +66,17 @@ def main(root: Path) -> None:
     print(f"the loop made {len(from_loop)} calls into {len(set(from_loop))} files: {', '.join(sorted(set(from_loop)))}")
     for name in sorted(set(path)):
         print("  " + name)
+    print("the calls gradnorm/train.py made during step 2 (line: function x times | the line):")
+    calls = {(line, function): times for (line, function), times in sites.items()  # not a property's read
+             if f"{function}(" in linecache.getline(loop_file, line) or function == "backward"}
+    for (line, function), times in sorted(calls.items()):
+        print(f"  {line:4d}: {function} x{times} | {linecache.getline(loop_file, line).strip()}")
+    weights = [line for line, function in calls if function == "token_weights"]
+    backward = [line for line, function in calls if function == "backward"]
+    if weights and backward:
+        print("a microbatch's weights, times W, to its backward, as gradnorm/train.py writes them:")
+        for line in range(min(weights), max(backward) + 1):
+            print(f"  {line:4d}  {linecache.getline(loop_file, line).rstrip()}")
 
 
 if __name__ == "__main__":

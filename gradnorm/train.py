@@ -37,13 +37,15 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     one-ulp difference in a logit can flip a sampled token between W=1 and W=2.
  2. Shard. ``step.plan_for`` (``core.sharding``) assigns sequences to ranks and microbatches
     from the global lengths, the same plan on every rank; each rank keeps plan[rank].
- 3. Accumulate: the fix, two calls in the loop below. ``comm.global_counts`` all-reduces this
-    rank's token counts ONCE (skipped by local and a constant, which need no counts), and
-    ``accumulate_gradients`` (``core.accumulate``) backpropagates each microbatch's loss, every
-    token weighted by those global counts times W (``core.denominators.rank_weights`` derives
-    it), under DDP's no_sync except the last. A microbatch's forward runs in chunks of rows of
-    similar response length, each cut to its longest response (``chunks.score_by_length``): the
-    same log-probs inside the response mask, without most of the padding.
+ 3. Accumulate: the fix, written out in ``step_gradient`` below as examples/drop_in_ddp.py writes
+    it. ``comm.global_counts`` counts this rank's tokens and all-reduces the counts ONCE (skipped by
+    local and a constant, which need no counts); then for each microbatch the forward, GRPO's
+    per-token losses l (``core.grpo``), each token's weight w from those global counts
+    (``core.denominators.token_weights``: 1/N for the token mean), and the backward of
+    sum(W * w * l), W undoing DDP's mean, under DDP's no_sync except the last. A microbatch's
+    forward runs in chunks of rows of similar response length, each cut to its longest response
+    (``chunks.score_by_length``): the same log-probs inside the response mask, without most of the
+    padding.
  4. Step. Clip the global gradient norm (the logged grad_norm is the norm before clipping, the
     same on every rank after DDP's all-reduce). One more all-reduce, of 6 float64 sums (J, tokens,
     pg loss, KL, clipped tokens, entropy) followed by each rank's stop vote, comes back as a
@@ -103,9 +105,11 @@ except ImportError:
 import torch
 
 from gradnorm.cli import pipes
-from gradnorm.core.accumulate import accumulate_gradients
+from gradnorm.core.accumulate import no_sync
+from gradnorm.core.denominators import token_weights
 from gradnorm.core.errors import first_line
-from gradnorm.core.sharding import passes
+from gradnorm.core.grpo import NUM_STATS, grpo_token_losses, stat_sums
+from gradnorm.core.sharding import Plan, passes
 from gradnorm.dist import comm, wrap
 from gradnorm.trainer import engine_rollout, scoring, start
 from gradnorm.trainer import step as steps  # `step` is the loop's counter
@@ -122,6 +126,51 @@ from gradnorm.trainer.rundir.runlog import RunLog
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. too many non-finite steps in a row); main prints it in one line."""
+
+
+def step_gradient(dp_model: torch.nn.Module, policy, batch: steps.Minibatch, plan: Plan, cfg: TrainConfig,
+                  ctx: comm.DistContext, autocast, phase=lambda name: contextlib.nullcontext()) -> torch.Tensor:
+    """This rank's part of one step's gradient; returns its statistic sums (NUM_STATS,) float64.
+
+    The fix, as examples/drop_in_ddp.py writes it for any loop: count, ONE all-reduce, then for
+    each microbatch the forward, the per-token losses l, their weights w times W, and the
+    backward under no_sync. Summed over ranks (DDP's mean times W) and microbatches, the gradient
+    is that of J = sum w * l * M over the whole minibatch, for any W, A and sharding. The loop
+    then clips and steps; ``tests/distributed/test_trainer_step.py`` checks this function against
+    a longhand oracle. ``phase(name)`` times the counts and the forward/backward (``RunLog.phase``).
+    """
+    rows, mask, W = batch.rollout, batch.loss_mask, ctx.world_size  # mask (S, R): the tokens the loss takes
+    A = len(plan[ctx.rank])  # this rank's microbatches: only `local` divides by it
+    # ALGO LOGIC: count this rank's tokens and all-reduce them ONCE: every rank now holds the
+    # minibatch's global counts (N, and per sequence and group). local and a constant need none: None.
+    with phase("counts"):
+        counts = comm.global_counts(plan[ctx.rank], mask.sum(-1), rows.group_ids, rows.num_groups, cfg.denominator)
+    # Under FSDP2 on several ranks every forward is a collective: each pass makes the same number of calls.
+    calls = (steps.pass_calls(plan, rows.lengths, rows.prompt_len, cfg.pack)
+             if W > 1 and wrap.is_fsdp(dp_model) else [None] * passes(plan))
+    sums = torch.zeros(NUM_STATS, dtype=torch.float64, device=mask.device)
+    with phase("forward_backward"):
+        for p, (idx, idle) in enumerate(steps.rank_passes(plan, ctx.rank)):  # idle passes weigh nothing
+            mb_mask = torch.zeros_like(mask[idx]) if idle else mask[idx]  # (n, R)
+            # only the last backward all-reduces the gradients; the others add into .grad
+            with no_sync(dp_model, last=p == len(calls) - 1):
+                with autocast():  # fp32 log-probs either way
+                    logp, entropy = steps.score(policy, dp_model, rows, idx, cfg.pack, calls[p])  # (n, R)
+                terms = grpo_token_losses(
+                    logp, logp.detach() if batch.old_logp is None else batch.old_logp[idx], rows.advantages[idx],
+                    ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
+                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator,
+                    entropy=entropy.detach(),
+                    importance_weight=None if batch.importance_weight is None else batch.importance_weight[idx])
+                # ALGO LOGIC: w from the global counts (1/N for token), times W: DDP (and FSDP2) average
+                # the ranks' gradients, (1/W) sum_r dL_r, so L_r = sum W * w * l * M gives
+                # sum_r sum_tokens w * dl = dJ (core.denominators.rank_weights derives it)
+                w = token_weights(mb_mask, rows.group_ids[idx], cfg.denominator, counts, world_size=W,
+                                  accum_steps=max(A, 1), dtype=terms.loss.dtype)  # (n, R)
+                loss = (W * w * torch.where(mb_mask, terms.loss, 0.0)).sum()
+                loss.backward()
+            sums += stat_sums(w, mb_mask, terms)
+    return sums
 
 
 def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: RunState) -> None:
@@ -198,19 +247,9 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
                 rows, plan = batch.rollout, steps.plan_for(batch, cfg, ctx.world_size)
                 opt.zero_grad(set_to_none=True)
 
-            # 3. Accumulate. THE FIX: one all-reduce of this rank's token counts gives every rank the
-            # minibatch's global counts (N, and per sequence and group; none for local and a constant) ...
-            with log.phase("counts"):
-                counts = comm.global_counts(plan[ctx.rank], batch.loss_mask.sum(-1), rows.group_ids, rows.num_groups,
-                                            cfg.denominator)
-            # ... and each microbatch's backward weights its tokens by them, times W to undo DDP's mean
-            # (core.denominators.rank_weights derives it); a rank with fewer microbatches runs idle passes.
-            with log.phase("forward_backward"):
-                sums = accumulate_gradients(dp_model, plan[ctx.rank], batch.loss_mask, rows.group_ids, counts,
-                                            cfg.denominator,
-                                            steps.token_losses(policy, dp_model, batch, plan, cfg, ctx.world_size,
-                                                               autocast),
-                                            ctx.world_size, num_passes=passes(plan))
+            # 3. Accumulate. THE FIX: count, one all-reduce of the counts, then every microbatch's
+            # backward of W * w * l under no_sync, w from the global counts (``step_gradient`` above).
+            sums = step_gradient(dp_model, policy, batch, plan, cfg, ctx, autocast, phase=log.phase)
 
             # 4. Step: clip the global norm; one all-reduce of the statistics (and the ranks' stop
             # votes); skip the update on every rank if anything is non-finite.

@@ -12,9 +12,12 @@ and passes the global counts in. Here, for each microbatch: per-token weights w 
 counts, scaled by W to undo DDP's mean, and a backward of sum(W * w * l)
 (``denominators.microbatch_loss``). DDP's ``no_sync`` (FSDP2's ``set_requires_gradient_sync``)
 keeps all but the last microbatch from communicating, so gradients really add up over the
-accumulation steps. The caller then clips and steps the optimizer. The real trainer and the
-multi-process tests both call ``accumulate_gradients``, so what the tests prove is what the
-trainer runs.
+accumulation steps. The caller then clips and steps the optimizer.
+
+The trainer writes this loop out in its own ``step_gradient`` (gradnorm/train.py), with the
+forward, the per-token losses and the weights in sight, and takes only ``no_sync`` from here;
+``accumulate_gradients`` is the same loop for a loss given as a function of the rows, which the
+teaching harness, the benchmarks and the FSDP2 tests run on the toy problem.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from gradnorm.core.denominators import Counts, Denominator, microbatch_loss
 from gradnorm.core.grpo import NUM_STATS, TokenLosses, stat_sums
 
 
-def _no_sync(model: nn.Module, last: bool):
+def no_sync(model: nn.Module, last: bool):
+    """The context a microbatch's backward runs in: gradients stay local unless ``last``."""
     # Only the last microbatch's backward may trigger the gradient reduction; the others just add
     # into .grad. DDP (and FSDP1) have a no_sync() context; FSDP2 has a switch instead, set for
     # every microbatch so that it is left on after the last. Plain modules accumulate as they are.
@@ -71,7 +75,7 @@ def accumulate_gradients(
     idle = [(filler, torch.zeros_like(mask[filler]))] * (num_passes - accum_steps)  # zero weight, same graph
     sums = torch.zeros(NUM_STATS, dtype=torch.float64, device=mask.device)
     for m, (mb, mb_mask) in enumerate(idle + [(mb, mask[mb]) for mb in microbatches]):
-        with _no_sync(model, last=m == num_passes - 1):
+        with no_sync(model, last=m == num_passes - 1):
             terms = token_losses(mb)
             loss, w = microbatch_loss(terms.loss, mb_mask, group_ids[mb], denominator, counts,
                                       world_size=world_size, accum_steps=max(accum_steps, 1))

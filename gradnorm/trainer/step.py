@@ -1,6 +1,7 @@
 """The pieces of one GRPO optimizer step that the loop of ``gradnorm/train.py`` calls, in the order
 its docstring describes them: ``plan_for`` (which rank and microbatch holds which row),
-``token_losses`` (the forward ``accumulate_gradients`` runs for each microbatch), ``reduce_stats``
+``rank_passes`` (the passes a rank runs, idle ones included) and ``score`` (the forward pass of a
+microbatch, with ``pass_calls`` under FSDP2), ``reduce_stats``
 (ONE all-reduce of the statistics and the ranks' stop votes) and ``apply_or_skip`` (AdamW, or a skip
 when anything is non-finite).
 
@@ -11,19 +12,17 @@ same on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from gradnorm.core.grpo import NUM_STATS, TokenLosses, finalize_stats, grpo_token_losses
+from gradnorm.core.grpo import NUM_STATS, finalize_stats
 from gradnorm.core.sharding import Plan, budget_plan, make_plan, passes
-from gradnorm.dist import comm, wrap
+from gradnorm.dist import comm
 from gradnorm.trainer.chunks import lockstep_calls, score_by_length
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.guards import preemption
@@ -84,35 +83,30 @@ class StepStats:
         return all(math.isfinite(v) for v in self.logged().values())
 
 
-def token_losses(policy: Policy, module: nn.Module, batch: Minibatch, plan: Plan, cfg: TrainConfig,
-                 world_size: int, autocast: Callable[[], contextlib.AbstractContextManager]
-                 ) -> Callable[[Tensor], TokenLosses]:
-    """The forward pass of one microbatch ``idx`` (rows of the minibatch), through DDP or FSDP2: what
-    ``accumulate_gradients`` calls for each of this rank's microbatches.
+def score(policy: Policy, module: nn.Module, rows: Rollout, idx: Tensor, pack: bool,
+          calls: int | None) -> tuple[Tensor, Tensor]:
+    """(logp, entropy), each (n, R): the forward pass of the rows ``idx`` of the minibatch, through
+    DDP or FSDP2, with gradients. ``--pack`` runs one padding-free forward (``score_packed``);
+    otherwise rows of similar response length are scored together, each chunk cut to its longest
+    response (``score_by_length``), in ``calls`` forward calls under FSDP2 on several ranks
+    (``pass_calls``: every forward there is a collective), as many as it takes otherwise (None)."""
+    if pack:
+        return score_packed(policy, module, rows.tokens[idx], rows.prompt_len, rows.lengths[idx])
+    return score_by_length(policy.score, module, rows.tokens[idx], rows.prompt_len, rows.lengths[idx], calls=calls)
 
-    Under FSDP2 on several ranks every forward is a collective, so every rank makes the same number
-    of calls in each pass (``pass_calls``); the passes come in order, one ``forward`` each.
+
+def rank_passes(plan: Plan, rank: int) -> list[tuple[Tensor, bool]]:
+    """(rows, idle) of each pass this rank runs in one step, in order.
+
+    Every rank runs the same number of passes, ``passes(plan)``, the most microbatches any rank
+    holds: FSDP2 gathers parameters in every forward and DDP's hooks fire in every backward, so a
+    rank that skipped one would leave the others waiting. A rank with fewer microbatches runs idle
+    passes first: one row of the minibatch, which the loop gives an all-False mask, so its weight
+    and its gradient are exactly zero while the forward and the backward still touch every parameter.
     """
-    lockstep = world_size > 1 and wrap.is_fsdp(module)
-    calls = pass_calls(plan, batch.rollout.lengths, batch.rollout.prompt_len, cfg.pack) if lockstep else None
-    rows, P = batch.rollout, batch.rollout.prompt_len
-    per_pass = iter(calls) if calls is not None else None
-
-    def forward(idx: Tensor) -> TokenLosses:
-        with autocast():  # fp32 log-probs either way; --pack runs one padding-free forward
-            if cfg.pack:
-                logp, entropy = score_packed(policy, module, rows.tokens[idx], P, rows.lengths[idx])
-            else:
-                logp, entropy = score_by_length(policy.score, module, rows.tokens[idx], P, rows.lengths[idx],
-                                                calls=None if per_pass is None else next(per_pass))
-        return grpo_token_losses(
-            logp, logp.detach() if batch.old_logp is None else batch.old_logp[idx], rows.advantages[idx],
-            ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_estimator=cfg.kl_estimator, entropy=entropy.detach(),
-            importance_weight=None if batch.importance_weight is None else batch.importance_weight[idx],
-        )
-
-    return forward
+    mine = list(plan[rank])
+    filler = mine[0][:1] if mine and len(mine[0]) else torch.zeros(1, dtype=torch.long)
+    return [(filler, True)] * (passes(plan) - len(mine)) + [(mb, False) for mb in mine]
 
 
 def plan_for(batch: Minibatch, cfg: TrainConfig, world_size: int) -> Plan:
@@ -129,7 +123,7 @@ def plan_for(batch: Minibatch, cfg: TrainConfig, world_size: int) -> Plan:
 
 
 def pass_calls(plan: Plan, lengths: Tensor, prompt_len: int, packed: bool) -> list[int]:
-    """The forward calls of each pass of ``accumulate_gradients``, the same on every rank: the most
+    """The forward calls of each pass of a step (``rank_passes``), the same on every rank: the most
     that any rank's rows of that pass chunk into (``lockstep_calls``). A rank's idle passes come
     first and score one row; its microbatches follow, in the order it runs them."""
     num = passes(plan)

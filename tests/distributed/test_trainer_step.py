@@ -3,8 +3,9 @@
 One optimizer step of the real trainer path: TinyGPT, a rollout sampled by ``generate_rollout``
 (ragged response lengths), the plan (``step.plan_for``: a fixed count of microbatches, or a token
 budget that gives the two ranks 1 and 3 microbatches), the count all-reduce (``comm.global_counts``),
-the wrapper ``wrap.wrap_policy`` and ``accumulate_gradients`` with the trainer's per-token loss
-(clipped surrogate with clip-higher plus beta * k3 KL; the old and reference log-probs are
+the wrapper ``wrap.wrap_policy`` and the trainer's own ``step_gradient`` (gradnorm/train.py: the count
+all-reduce, then each microbatch's forward, per-token loss, weights times W and backward; the loss is the
+clipped surrogate with clip-higher plus beta * k3 KL; the old and reference log-probs are
 perturbed so that the clip and the KL both matter), padded or packed (``--pack``). W = 1 is the
 plain ``python`` path in this process (no process group, no wrapper); W = 2 is two spawned gloo
 ranks under DDP and under FSDP2.
@@ -23,9 +24,9 @@ import torch
 from tests.helpers.longhand import longhand_weights
 from torch.testing import assert_close
 
-from gradnorm.core.accumulate import accumulate_gradients
+from gradnorm import train
 from gradnorm.core.grpo import grpo_token_losses
-from gradnorm.core.sharding import make_plan, passes
+from gradnorm.core.sharding import make_plan
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
@@ -67,7 +68,7 @@ def config(denominator, accum_steps, shard, budget, pack) -> TrainConfig:
 
 
 def per_token_loss(model, rollout, old_logp, ref_logp, idx):
-    """What the trainer's ``step.token_losses`` computes for the sequences ``idx`` (the oracle's)."""
+    """What the trainer's ``step_gradient`` computes for the sequences ``idx`` (the oracle's)."""
     logp, entropy = response_logprobs(model, rollout.tokens[idx], rollout.prompt_len)
     return grpo_token_losses(logp, old_logp[idx], rollout.advantages[idx].to(logp.dtype), ref_logp=ref_logp[idx],
                              beta=BETA, clip_low=0.2, clip_high=0.28, kl_estimator="k3", entropy=entropy.detach())
@@ -84,11 +85,7 @@ def trainer_gradients(ctx: comm.DistContext, parallel: str) -> torch.Tensor:
         cfg = config(*case)
         plan = step.plan_for(batch, cfg, ctx.world_size)
         model.zero_grad(set_to_none=True)
-        mb = batch.rollout  # the loop's two calls: the count all-reduce, then the weighted backward
-        counts = comm.global_counts(plan[ctx.rank], mb.lengths, mb.group_ids, mb.num_groups, cfg.denominator)
-        accumulate_gradients(dp_model, plan[ctx.rank], mb.mask, mb.group_ids, counts, cfg.denominator,
-                             step.token_losses(policy, dp_model, batch, plan, cfg, ctx.world_size,
-                                               contextlib.nullcontext), ctx.world_size, num_passes=passes(plan))
+        train.step_gradient(dp_model, policy, batch, plan, cfg, ctx, contextlib.nullcontext)  # what the loop calls
         grads.append(wrap.flat_grad(model))
     return torch.stack(grads)
 

@@ -24,7 +24,6 @@ from gradnorm import train as train_module
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
 from gradnorm.tasks import RepeatTask
 from gradnorm.tasks.rewards import RewardError, call_reward
-from gradnorm.trainer import step
 from gradnorm.trainer.checkpoint import checkpointer, store
 from gradnorm.trainer.checkpoint.checkpointer import RUN_FIELDS
 from gradnorm.trainer.config import CHANGEABLE_ON_RESUME, TrainConfig, field_docs, parse_config
@@ -91,7 +90,7 @@ def test_a_fresh_run_that_fails_before_its_first_step_leaves_nothing(tmp_path, m
 
 
 def test_a_non_finite_step_prints_null_instead_of_crashing(tmp_path, monkeypatch, capsys):
-    honest, calls = step.grpo_token_losses, []
+    honest, calls = train_module.grpo_token_losses, []
 
     def poisoned(*args, **kwargs):  # step 2's loss is NaN: the step is skipped and logged as null
         calls.append(None)
@@ -100,7 +99,7 @@ def test_a_non_finite_step_prints_null_instead_of_crashing(tmp_path, monkeypatch
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(step, "grpo_token_losses", poisoned)
+    monkeypatch.setattr(train_module, "grpo_token_losses", poisoned)
     assert run_main(tmp_path / "run", "--steps", "3", "--log-every", "1", base=FLAGS) == 0
     captured = capsys.readouterr()
     assert "step 2/3 reward" in captured.out and "loss null grad_norm null" in captured.out, captured.out

@@ -31,11 +31,11 @@ from tests.helpers.launches import KILLED
 from tests.helpers.runfiles import assert_same_steps, comparable, launch_all, metrics
 from tests.helpers.trainer import TINY, one_error_line, run_main, torchrun_cmd
 
+from gradnorm import train
 from gradnorm.dist import state as dist_state
 from gradnorm.models import tinygpt as tinygpt_module
 from gradnorm.tasks import RepeatTask
 from gradnorm.train import main
-from gradnorm.trainer import step
 from gradnorm.trainer.checkpoint import checksums, store
 from gradnorm.trainer.rollout import check_rewards
 
@@ -84,7 +84,7 @@ def test_the_trainer_stops_on_a_nan_reward_with_one_line(tmp_path, monkeypatch, 
 
 def poison_losses(monkeypatch, bad_steps):
     """Make the per-token loss NaN on the given steps (one microbatch per step with W = A = 1)."""
-    honest, calls = step.grpo_token_losses, []
+    honest, calls = train.grpo_token_losses, []
 
     def poisoned(*args, **kwargs):
         calls.append(None)
@@ -93,7 +93,7 @@ def poison_losses(monkeypatch, bad_steps):
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(step, "grpo_token_losses", poisoned)
+    monkeypatch.setattr(train, "grpo_token_losses", poisoned)
 
 
 def test_a_nan_loss_skips_the_update_warns_and_is_counted(tmp_path, monkeypatch, capsys):

@@ -1,8 +1,8 @@
 """--engine-correction: importance sampling against a rollout engine's log-probs, against a longhand oracle.
 
 The trainer's path for one step (``engine_rollout.check`` -> ``step.Minibatch`` with the
-correction's fields -> ``comm.global_counts`` of ``Minibatch.loss_mask`` -> ``accumulate_gradients``
-with ``step.token_losses``) on TinyGPT, an engine whose log-probs are the trainer's plus noise, and
+correction's fields -> the trainer's ``step_gradient``: the count all-reduce of ``Minibatch.loss_mask``,
+then each microbatch's weighted backward) on TinyGPT, an engine whose log-probs are the trainer's plus noise, and
 two microbatches; the oracle is one float64 loop over the tokens with the weights of
 tests/helpers/longhand.py over the tokens the correction keeps:
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 from tests.helpers.longhand import longhand_weights
 
+from gradnorm import train
 from gradnorm.core import importance
-from gradnorm.core.accumulate import accumulate_gradients
 from gradnorm.core.grpo import clipped_surrogate
 from gradnorm.dist import comm
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT, response_logprobs
@@ -65,13 +65,9 @@ def trainer_gradient(model, rollout, trainer_logp, engine_logp, kind, mode):
     correction, fields = engine_rollout.check(rollout, trainer_logp, engine_logp, rows, kind, CAP)
     batch = step.Minibatch(rollout, None, None, "", **engine_rollout.minibatch_fields(correction, slice(None)))
     plan = step.plan_for(batch, cfg, 1)
-    counts = comm.global_counts(plan[0], batch.loss_mask.sum(-1), rollout.group_ids, rollout.num_groups,
-                                cfg.denominator)
     model.zero_grad(set_to_none=True)
-    policy = TinyGPTPolicy(model)
-    accumulate_gradients(model, plan[0], batch.loss_mask, rollout.group_ids, counts, cfg.denominator,
-                         step.token_losses(policy, model, batch, plan, cfg, 1, lambda: torch.autocast("cpu", enabled=False)),
-                         1, num_passes=len(plan[0]))
+    train.step_gradient(model, TinyGPTPolicy(model), batch, plan, cfg, comm.setup(backend=None, device="cpu"),
+                        lambda: torch.autocast("cpu", enabled=False))  # the loop's call: counts, then backward
     return flat_grad(model), fields, plan, correction
 
 

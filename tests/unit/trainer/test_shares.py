@@ -28,9 +28,8 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
-from gradnorm.core.accumulate import accumulate_gradients
+from gradnorm import train
 from gradnorm.core.denominators import mask_from_lengths
-from gradnorm.core.sharding import passes
 from gradnorm.dist import comm, wrap
 from gradnorm.dist.spawn import spawn_gloo
 from gradnorm.models.tinygpt import GPTConfig, TinyGPT
@@ -163,11 +162,7 @@ def lockstep_worker(ctx: comm.DistContext) -> dict:
         minibatch.old_logp = out["plain_scores"][: CFG.sequences_per_step]
         minibatch.ref_logp = minibatch.old_logp - 0.1  # a reference the policy has left: KL is not 0
         plan = step.plan_for(minibatch, CFG, ctx.world_size)
-        mb = minibatch.rollout  # the loop's two calls: the count all-reduce, then the weighted backward
-        counts = comm.global_counts(plan[ctx.rank], mb.lengths, mb.group_ids, mb.num_groups, CFG.denominator)
-        accumulate_gradients(dp_model, plan[ctx.rank], mb.mask, mb.group_ids, counts, CFG.denominator,
-                             step.token_losses(policy, dp_model, minibatch, plan, CFG, ctx.world_size,
-                                               contextlib.nullcontext), ctx.world_size, num_passes=passes(plan))
+        train.step_gradient(dp_model, policy, minibatch, plan, CFG, ctx, contextlib.nullcontext)  # the loop's call
         out[f"{parallel}_grad"] = wrap.flat_grad(m)
     return out
 
