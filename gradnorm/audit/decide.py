@@ -64,6 +64,31 @@ class Near:
     factors: tuple[float, ...]  # c of each configuration, in the order of Report.results
 
 
+@dataclass(frozen=True)
+class Scaled:
+    """An invariant loss whose every weight is ``times`` (an integer, 2 or more) what `token` gives.
+
+    Fitted as a constant, C = N / times: the reference's total weight sum w is ``times`` where the
+    right one is 1, the mark of a second backward per microbatch or a loss counted twice, not of a
+    Dr GRPO constant (which a trainer sets from its lengths, C >= N). C = 1, a plain token sum, is
+    the convention of its own it names, and not read as a scale.
+    """
+
+    times: int
+    constant: float  # C = N / times
+
+
+@dataclass(frozen=True)
+class PerRankCount:
+    """Each rank divides by its own count of ``mode``'s unit: rank r's weights are c_r times the mode's,
+    with c_r * (rank r's share of the units) the same on every rank of a configuration (``per_rank``:
+    1/W under DDP's mean, c_r = N / (W * N_r) for tokens). What transformers' Trainer does with
+    ``average_tokens_across_devices`` off, and a rank's own token share: a rank-local mean."""
+
+    mode: str  # "token", "sequence" or "pair"
+    per_rank: tuple[float, ...]  # c_r * share_r of each configuration (the reference's is 1)
+
+
 ROUNDING = (("float16 or bfloat16", 2 * 2.0**-11), ("bfloat16", 2 * 2.0**-8))
 """How far a 16-bit float's rounding moves a weight (two unit roundoffs: a weight is rounded once or
 twice on its way through the loss), narrowest first: within float16's either dtype may have done it
@@ -91,6 +116,8 @@ class Report:
     terms: dict[str, Report] = field(default_factory=dict)  # a loss that names its terms: each one's audit
     term: bool = False  # this report is one term of a composite loss (its sign is the term's own)
     point: Point = Point()  # the objective's point (beta) and the loss's form (a step or a microbatch loss)
+    scaled: Scaled | None = None  # invariant, but every weight a whole number of times `token`'s
+    per_rank_count: PerRankCount | None = None  # equals no mode: each rank divides by its own count
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -160,7 +187,8 @@ class Report:
         """The command's status: 0 invariant, masked and signed right; 1 skewed, leaking or wrong-signed."""
         miscounts = self.masked is not None and self.masked.counts_dropped is True
         terms_fail = any(t.exit_code for t in self.terms.values())
-        return 0 if self.invariant and not self.leaks and not self.wrong_sign and not miscounts and not terms_fail else 1
+        ok = self.invariant and not self.leaks and not self.wrong_sign and not miscounts and self.scaled is None
+        return 0 if ok and not terms_fail else 1
 
     @property
     def loudness_by_result(self) -> list[float]:
@@ -311,6 +339,10 @@ def _decide(name: str, batch: SyntheticBatch, convention: Convention, results: l
                     residual, tol, negative, objective=objective, term=term, point=point)
     if report.equals is None:
         report.near = _nearest(results, tol, modes)
+        if not term:
+            report.per_rank_count = _per_rank_count(batch, results, cache, tol)
+    if report.equals == "constant" and not term:
+        report.scaled = _scaled(float(batch.mask.sum()), constant, tol)
     if batch.count_masked is not None and not term:  # right: counts over the kept tokens; counting: every generated one
         masked_modes = [m for m in modes if m not in ("local", "constant")]
         right = {m: cache[m] for m in masked_modes}
@@ -318,6 +350,61 @@ def _decide(name: str, batch: SyntheticBatch, convention: Convention, results: l
                                     results[0].plan, constant) * batch.mask for m in masked_modes}
         report.masked = masked_finding(batch, results[0].weights, right, counting, tol)
     return report
+
+
+def _scaled(tokens: float, constant: float, tol: float) -> Scaled | None:
+    """``Scaled`` when the fitted C is N / k for a whole k >= 2, with C > 1 (C = 1 is a token sum)."""
+    times = tokens / constant  # the reference's total weight: 1 for `token`
+    k = round(times)
+    if k >= 2 and abs(times - k) <= tol * times and constant > 1:
+        return Scaled(k, constant)
+    return None
+
+
+def _per_rank_count(batch: SyntheticBatch, results: Sequence[Result], cache: dict[str, Tensor],
+                    tol: float) -> PerRankCount | None:
+    """``PerRankCount`` for the first of `token`, `sequence`, `pair` that explains every configuration.
+
+    Rank r's counted tokens must weigh one c_r times the mode's weight, with c_r * share_r (its share
+    of the mode's units: tokens, or sequences and pairs by rows) one number over the ranks, and some
+    configuration must give its ranks different c_r, or nothing told this apart from the mode itself.
+    Context-parallel and pipeline ranks are not the plan's ranks: their configurations are not read.
+    """
+    if any(r.axes & {"cp", "pipeline"} for r in results):
+        return None
+    mask = batch.mask
+    for mode in ("token", "sequence", "pair"):
+        expected = cache.get(mode)
+        if expected is None:
+            continue
+        per_rank, differ = [], False
+        for result in results:
+            rows = [torch.cat([torch.as_tensor(mb, dtype=torch.long) for mb in rank]) for rank in result.plan]
+            units = [float(mask[r].sum()) if mode == "token" else float(len(r)) for r in rows]
+            factors, products = [], []
+            for r, n in zip(rows, units):
+                got, want = result.weights[r][mask[r]], expected[r][mask[r]]
+                if len(got) == 0:
+                    continue
+                ratio = got / want
+                if not _near(float(ratio.max()), float(ratio.min()), tol):
+                    break
+                factors.append(float(ratio.mean()))
+                products.append(factors[-1] * n / sum(units))
+            else:
+                if products and all(_near(x, products[0], tol) for x in products):
+                    per_rank.append(products[0])
+                    differ |= not all(_near(c, factors[0], tol) for c in factors)
+                    continue
+            break
+        else:
+            if differ:
+                return PerRankCount(mode, tuple(per_rank))
+    return None
+
+
+def _near(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b))
 
 
 def audit(loss_fn, world_sizes: Sequence[int] = (8,), accum_steps: Sequence[int] = (4,),

@@ -81,11 +81,14 @@ def _why(p: int, q: int, convention: Convention) -> list[str]:
 def explain_factor(near: Near, convention: Convention, tol: float, subject: str = "your loss") -> str:
     """``up to a factor 1/W: your loss is missing the world-size factor W (...)``: the factor, then why."""
     readings = [" and ".join(_why(p, q, convention)) for p, q in near.powers]  # one per law that fits
-    if near.powers and abs(abs(near.scale) - 1) > tol:  # a constant k besides W^p * A^q
-        extra = f"weighs every token {abs(near.scale):.4g} times what `{near.mode}` gives"
-        readings = [f"{r} and {extra}" if r else extra for r in readings]
-    readings = [r for r in readings if r]  # k = -1 alone: the wrong sign, which the verdict says first
+    constant = near.powers and abs(abs(near.scale) - 1) > tol  # a constant k besides W^p * A^q
     text = f"up to a factor {factor_name(near, tol)}"
+    if constant and any(readings):  # one factor, k x W^p A^q: say which part is which, not two factors
+        text += (f", the constant {abs(near.scale):.4g} (the same under every W and A: a coefficient?) times "
+                 f"{' or '.join(_law(p, q) for p, q in near.powers)}")
+    elif constant:
+        readings = [f"weighs every token {abs(near.scale):.4g} times what `{near.mode}` gives"]
+    readings = [r for r in readings if r]  # k = -1 alone: the wrong sign, which the verdict says first
     if readings:
         text += f": {subject} " + " or ".join(readings)
     if len(near.powers) > 1:
@@ -104,7 +107,8 @@ def percent(x: float, rounding: float = 0.0) -> str:
 def _equal_counts_clause(report: Report) -> str:
     """Invariant on fixed-size microbatches, skewed only where sequence counts differ: say so, and how to narrow."""
     even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts and not r.axes))
-    uneven = [r for r in report.results[1:] if not r.equal_counts]
+    uneven = [r for r in report.results[1:] if not r.equal_counts and r.change > report.tol]  # those that changed
+    budget = any("budget" in r.axes for r in report.results)
     mode = report.equals_at_equal_counts
     like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
     where = f", where it equals {like}" if mode else ""
@@ -113,7 +117,7 @@ def _equal_counts_clause(report: Report) -> str:
             f"{percent(max(r.change for r in uneven), report.tol)} when they do not (under "
             f"{', '.join(dict.fromkeys(r.label for r in uneven))})"
             + (f"; if your trainer's microbatches hold a fixed number of {unit}, audit with --sharding "
-               f"{' '.join(even)}" if even else ""))
+               f"{' '.join(even)}{' and no --microbatch-tokens' if budget else ''}" if even else ""))
 
 
 def loudness_clause(report: Report) -> str | None:
@@ -123,6 +127,41 @@ def loudness_clause(report: Report) -> str | None:
         return None
     how = f"{ratio:.3g}x too loud" if ratio > 1 else f"{1 / ratio:.3g}x too quiet" if ratio > 0 else f"{ratio:.3g}x"
     return f"{how} at W={where.world_size} A={where.accum_label} ({where.label}) against one process"
+
+
+def change_clause(report: Report) -> str:
+    """The largest change, said as a change of what: a token's weight (a pair's, for DPO) against one process."""
+    whose = "a pair's weight on its tokens" if report.objective.unit == "pair" else "a token's weight"
+    return (f"{whose} changes by up to {percent(report.change, report.tol)} of its weight in one process across "
+            "configurations")
+
+
+def scaled_clause(report: Report) -> str:
+    """An invariant loss a whole number of times too loud: the scale, then what the fitted C would have hidden."""
+    k = report.scaled.times
+    return (f"every gradient {k} times too large: every token weighs {k} times what gradnorm's `token` gives, under "
+            f"every configuration and in one process (backward {k} times per microbatch, or the loss counted {k} "
+            f"times?); read as a constant denominator it would be C = N / {k} = {report.scaled.constant:.6g}")
+
+
+UNITS = {"token": ("tokens", "N"), "sequence": ("sequences", "S"), "pair": ("pairs", "P")}
+"""Each mode's unit and its symbol, for the per-rank count's clause."""
+
+
+def per_rank_clause(report: Report) -> str:
+    """Each rank divides by its own count: the law, the trainers known to do it, the fix."""
+    found, W = report.per_rank_count, [r.world_size for r in report.results]
+    units, n = UNITS[found.mode]
+    if all(_close(k * w, 1, report.tol) for k, w in zip(found.per_rank, W)):
+        law = f"{n} / (W * {n}_r)"
+    elif all(_close(k, 1, report.tol) for k in found.per_rank):
+        law = f"{n} / {n}_r"
+    else:
+        law = f"a multiple of {n} / {n}_r"
+    return (f"each rank divides by its own count: rank r's tokens weigh {law} times what gradnorm's `{found.mode}` "
+            f"gives, {n}_r the {units} rank r holds (a rank-local mean, as transformers' Trainer with "
+            f"average_tokens_across_devices off, or a rank's own token share); divide by the global count "
+            f"{n}, all-reduced over the ranks")
 
 
 def term_lines(report: Report) -> list[str]:
@@ -142,8 +181,10 @@ def verdict(report: Report) -> str:
         loud = loudness_clause(worst)
         whole = verdict(replace(report, terms={}))
         return f"{lead}: {loud or verdict(worst)}; the loss's total reads {whole}"
-    change = f"a token's weight changes by up to {percent(report.change, report.tol)} across configurations"
-    if report.wrong_sign:
+    change = change_clause(report)
+    if report.scaled and not report.leaks and not report.wrong_sign:
+        parts = [f"SCALED: {scaled_clause(report)}", f"otherwise invariant ({change})"]
+    elif report.wrong_sign:
         parts = [f"WRONG SIGN: {report.objective.wrong_sign} ({report.negative:.1%} of the weight inside the mask "
                  "is negative)",
                  change]
@@ -173,6 +214,8 @@ def verdict(report: Report) -> str:
         parts.append(f"equals gradnorm's {', '.join(named[:-1])} and {named[-1]} alike: on this synthetic minibatch "
                      f"({_sameness(report)}) they give every token the same weight, so the audit cannot tell them "
                      "apart; audit with a minibatch whose lengths vary (--max-new-tokens above 1)")
+    elif report.equals == "constant" and report.scaled:
+        pass  # the headline says it
     elif report.equals == "constant":
         parts.append(f"equals a constant denominator C = {report.constant:.6g}")
     elif report.equals:
@@ -182,12 +225,27 @@ def verdict(report: Report) -> str:
         like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
         hint = ""
         if report.objective.name == "dpo" and report.near.powers == ((0, 0),) and not report.term:
-            hint = f" (the audit reads with beta = {report.point.beta:g}: is that your loss's beta? --beta sets it)"
+            hint = f" ({pair_factor_reading(report.near.scale, report.point.beta)})"
         subject = "the term" if report.term else "your loss"
         parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol, subject)}{hint}")
+    elif report.per_rank_count and not clauses:
+        parts.append(per_rank_clause(report))
     elif not report.skewed_only_by_unequal_counts and not clauses:  # the clauses above name the mode
         parts.append("equals no gradnorm mode")
     return "; ".join(parts)
+
+
+def pair_factor_reading(k: float, beta: float) -> str:
+    """What a factor k on every pair's weight says: the audit reads at slope beta/2 (margin 0); a loss
+    with its own beta_s reads k = beta_s / beta, one with a target margin gamma, -log sigmoid(beta_s m -
+    gamma) (SimPO), reads k = (beta_s / beta) * 2 sigmoid(gamma), which alone lies in (1, 2)."""
+    beta_reading = f"a beta of {k * beta:.4g}, where the audit reads with beta = {beta:g}: --beta sets it"
+    if 1 < k < 2:
+        gamma = math.log(k / (2 - k))  # 2 sigmoid(gamma) = k
+        return (f"a target margin gamma = {gamma:.4g}: SimPO's -log sigmoid(beta m - gamma) reads 2 sigmoid(gamma) "
+                f"= {k:.4g} times at the audit's point; or {beta_reading}")
+    return (f"{beta_reading}; a target margin gamma adds a factor 2 sigmoid(gamma) besides (SimPO): with --beta "
+            "set to your loss's, what is left is that margin's")
 
 
 def _sameness(report: Report) -> str:
@@ -238,8 +296,8 @@ def format_report(report: Report) -> str:
         lines.append(f"{r.world_size:>3} {r.accum_label:>3}  {r.label:<22} {r.change:>10.1%}  "
                      f"rank {k}: {r.update_share[k]:.1%} / {r.token_share[k]:.1%}")
     dist = " | ".join(f"{m} {report.distance[m]:.2g}" for m in report.modes)
-    constant = f" (C = {report.constant:.6g})" if "constant" in report.modes else ""
-    lines.append(f"distance to each mode: {dist}{constant}")
+    constant = f" (C = N / sum w = {report.constant:.6g}, fitted to the reference)" if "constant" in report.modes else ""
+    lines.append(f"distance to each mode (max |w - w_mode| / max |w_mode|, worst configuration): {dist}{constant}")
     lines.append(f"weight outside the mask: {report.leak:.1%} of the total")
     if report.residual > report.tol and not report.terms:
         lines.append(f"note: part of the gradient does not scale with the advantages ({report.residual:.2g} of the "
@@ -256,7 +314,8 @@ def verdict_table(reports: Sequence[Report]) -> str:
     for r in reports:
         equals = f"constant C = {r.constant:.6g}" if r.equals == "constant" else (r.equals or "-")
         skewed = not r.invariant or any(t.exit_code for t in r.terms.values())
-        how = "WRONG SIGN" if r.wrong_sign else "SKEWED" if skewed else "LEAKS" if r.leaks else "invariant"
+        how = ("WRONG SIGN" if r.wrong_sign else "SKEWED" if skewed else "LEAKS" if r.leaks else
+               "SCALED" if r.scaled else "invariant")
         rows.append(f"{r.name:<36} {how:<10} {r.change:>10.1%} "
                     f"{r.leak:>6.1%}  {equals}")
     return "\n".join(rows)

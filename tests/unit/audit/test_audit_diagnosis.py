@@ -141,7 +141,7 @@ def test_a_file_with_a_dataclass_and_a_neighbour_loads_from_anywhere(tmp_path, m
     assert (code, err) == (0, "") and "equals gradnorm's `token`" in out
     # The same file name in another folder, with its own neighbour: not the first one's modules.
     code, out, err = run(capsys, f"{twice}:loss", *SMALL, "--sharding", "interleave")
-    assert (code, err) == (0, "") and "equals a constant denominator C = " in out  # w = 2/N
+    assert (code, err) == (1, "") and "SCALED: every gradient 2 times too large" in out  # w = 2/N: SCALE = 2
     assert sys.path == path_before
     assert not {m for m in set(sys.modules) - modules_before
                 if str(tmp_path) in str(getattr(sys.modules[m], "__file__", None) or "")}

@@ -8,6 +8,8 @@
   and the child with it.
 """
 
+import math
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +21,16 @@ import torch
 
 from tests.helpers.audit_command import run, verdict_of
 
-from gradnorm.audit import conventions, decide, verdict
+from gradnorm.audit import (
+    composite_conventions,
+    conventions,
+    decide,
+    dpo_conventions,
+    pastes,
+    sft_conventions,
+    verdict,
+)
+from gradnorm.audit.splits import Splits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -147,3 +158,141 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+# --- what the verdict says: each finding against a loss written out longhand -------------------------
+
+def twice_per_microbatch(microbatches, *, world_size):
+    """An SFT step that calls backward twice per microbatch: every weight 2/N, every gradient 2x."""
+    for mb in microbatches:
+        for _ in range(2):
+            (-(mb["logp"] * mb["mask"]).sum() / mb["num_tokens"] * world_size).backward()
+
+
+def sum_over_a_constant(logp, mask, *, world_size):
+    """A token sum over C = 100, no whole fraction of N: a constant the audit must not call a scale (control)."""
+    return -(logp * mask).sum() / 100 * world_size
+
+
+def test_a_step_that_doubles_every_gradient_is_scaled_not_a_constant(capsys):
+    """Before: 'INVARIANT ... equals a constant denominator C = 115' (N = 230), exit 0."""
+    code, out, _ = run(capsys, f"{__name__}:twice_per_microbatch", "--objective", "sft", "--step", "--world-size", "2",
+                       "--accum-steps", "2")
+    line = verdict_of(out)
+    n = decide.audit(twice_per_microbatch, (2,), (2,), objective="sft", step=True).batch.mask.sum()
+    assert code == 1 and line.startswith("verdict: SCALED: every gradient 2 times too large")
+    assert f"C = N / 2 = {float(n) / 2:.6g}" in line and "otherwise invariant" in line
+    # The controls: a constant that is no whole fraction of N, and the plain sum (C = 1), stay constants.
+    for loss in (sum_over_a_constant, sft_conventions.token_sum):
+        report = decide.audit(loss, (2,), (2,), objective="sft")
+        assert report.equals == "constant" and report.scaled is None and report.exit_code == 0
+
+
+def each_rank_by_its_own_count(microbatches, *, world_size):
+    """An SFT step over the rank's own token count N_r: w = 1 / (W * N_r) under DDP's mean (transformers'
+    Trainer with average_tokens_across_devices off)."""
+    n_r = sum(int(mb["mask"].sum()) for mb in microbatches)
+    for mb in microbatches:
+        (-(mb["logp"] * mb["mask"]).sum() / n_r).backward()
+
+
+def test_each_rank_by_its_own_count_is_named(capsys):
+    """Before: 'SKEWED: ...; equals no gradnorm mode'."""
+    code, out, _ = run(capsys, f"{__name__}:each_rank_by_its_own_count", "--objective", "sft", "--step",
+                       "--world-size", "2", "--accum-steps", "2")
+    line = verdict_of(out)
+    assert code == 1 and line.startswith("verdict: SKEWED")
+    assert "each rank divides by its own count: rank r's tokens weigh N / (W * N_r) times what gradnorm's `token`" \
+        in line and "average_tokens_across_devices" in line and "equals no gradnorm mode" not in line
+    # Longhand: rank r's tokens weigh 1 / (W * N_r) on every configuration.
+    report = decide.audit(each_rank_by_its_own_count, (2,), (2,), objective="sft", step=True)
+    mask = report.batch.mask
+    for result in report.results:
+        for rank in result.plan:
+            rows = torch.cat([torch.as_tensor(mb) for mb in rank])
+            expected = 1 / (result.world_size * float(mask[rows].sum()))
+            torch.testing.assert_close(result.weights[rows][mask[rows]],
+                                       torch.full((int(mask[rows].sum()),), expected, dtype=torch.float64))
+    # The controls: the microbatch-local mean (1 / (W A n[r, m])) and a per-pair-share step are no per-rank count.
+    assert decide.audit(sft_conventions.model_drops_loss_kwargs, (2,), (2,), objective="sft").per_rank_count is None
+    assert decide.audit(dpo_conventions.token_share_of_pair_means, (2,), (2,), objective="dpo",
+                        step=True).per_rank_count is None
+
+
+def test_simpo_s_factor_is_read_as_its_margin():
+    """SimPO's 2 sigmoid(gamma) = 1.462 at the audit's beta (= SimPO's) was blamed on beta alone."""
+    report = decide.audit(dpo_conventions.simpo_pair_mean_per_microbatch, objective="dpo",
+                          beta=dpo_conventions.SIMPO_BETA, world_sizes=(2,), accum_steps=(2,))
+    factor = 2 / (1 + math.exp(-dpo_conventions.SIMPO_GAMMA))
+    assert report.near.scale == pytest.approx(factor, rel=1e-9)
+    line = verdict.verdict(report)
+    assert f"a target margin gamma = {dpo_conventions.SIMPO_GAMMA:.4g}" in line
+    assert "is that your loss's beta" not in line
+    # The control: a plain DPO loss at twice the audit's beta reads as a beta, and no margin can give 2.
+    twice = decide.audit(dpo_conventions.pair_sum_over_global_pairs, objective="dpo", beta=0.1, world_sizes=(2,),
+                         accum_steps=(2,))
+    assert twice.equals == "pair" and verdict.pair_factor_reading(2.0, 0.1).startswith("a beta of 0.2,")
+    assert "gamma =" not in verdict.pair_factor_reading(2.0, 0.1)
+
+
+def test_a_coefficient_times_a_law_is_one_factor_said_once(capsys):
+    """Before: 'up to a factor 0.1 x A: ... and weighs every token 0.1 times what `local` gives'."""
+    code, out, _ = run(capsys, "gradnorm.audit.composite_conventions:nll_term_per_microbatch", "--world-size", "2",
+                       "--accum-steps", "4")
+    (line,) = [s for s in out.splitlines() if s.startswith("term 'nll'")]
+    assert "up to a factor 0.1 x A, the constant 0.1 (the same under every W and A: a coefficient?) times A" in line
+    assert "times what `local` gives" not in line
+    # The control: a constant alone is still said as one.
+    assert "your loss weighs every token 3 times what `sequence` gives" in verdict.verdict(
+        decide.audit(three_times_sequence, (2,), (4,)))
+
+
+def three_times_sequence(logp, old_logp, advantages, mask, *, num_sequences, world_size):
+    """w = 3 / (S * |o_i|): DeepSeekMath's sequence mean, off by a factor 3 under every (W, A)."""
+    per_sequence = -torch.where(mask, torch.exp(logp - old_logp) * advantages.unsqueeze(-1), 0.0).sum(-1)
+    return 3 * (per_sequence / mask.sum(-1).clamp(min=1)).sum() / num_sequences * world_size
+
+
+def test_unequal_counts_name_only_the_configurations_that_changed():
+    """Before, every configuration with unequal pair counts was named, 0.0% ones too, and the advice to
+    audit with --sharding left the token budget on."""
+    report = decide.audit(dpo_conventions.pair_mean_per_microbatch, objective="dpo", world_sizes=(8,),
+                          accum_steps=(4,), splits=Splits(microbatch_tokens=160))
+    results = list(report.results)
+    uneven = [i for i, r in enumerate(results) if not r.equal_counts and r.change > report.tol]
+    unchanged = uneven[0]
+    first = results[unchanged]
+    results[unchanged] = type(first)(first.label, first.plan, results[0].weights.clone(),
+                                     torch.zeros_like(first.weights), update_share=first.update_share,
+                                     token_share=first.token_share, layout=first.layout)
+    again = decide.decide(report.name, report.batch, results, objective="dpo", tol=report.tol)
+    line = verdict.verdict(again)
+    assert again.skewed_only_by_unequal_counts
+    named = line.split("when they do not (under ", 1)[1].split(")", 1)[0].split(", ")
+    assert first.label not in named  # it did not change: not named
+    assert named == [r.label for r in results[1:] if not r.equal_counts and r.change > report.tol]
+    assert "audit with --sharding interleave contiguous length and no --microbatch-tokens" in line
+    assert "a pair's weight on its tokens changes by up to" in line
+
+
+def test_the_report_says_what_the_distance_and_the_percentage_are():
+    report = decide.audit(conventions.microbatch_token_mean, (2,), (2,))
+    text = verdict.format_report(report)
+    assert "distance to each mode (max |w - w_mode| / max |w_mode|, worst configuration): " in text
+    assert f"(C = N / sum w = {report.constant:.6g}, fitted to the reference)" in text
+    n, total = float(report.batch.mask.sum()), float(report.results[0].weights[report.batch.mask].sum())
+    assert report.constant == pytest.approx(n / total, rel=1e-12)
+    assert f"a token's weight changes by up to {verdict.percent(report.change)} of its weight in one process" in text
+    # The percentage is the largest |w - w_ref| / |w_ref| over the counted tokens, longhand.
+    ref, mask = report.results[0].weights, report.batch.mask
+    worst = max(float(((r.weights - ref)[mask] / ref[mask]).abs().max()) for r in report.results)
+    assert report.change == pytest.approx(worst, rel=1e-12)
+
+
+def test_pastes_regenerates_the_audit_s_output_in_a_page():
+    command = ".venv/bin/python -m gradnorm.audit gradnorm.audit.conventions:token_sum_over_global_count --world-size 2"
+    own = ".venv/bin/python -m gradnorm.audit my_trainer.py:loss --world-size 2"
+    page = f"intro\n```bash\n{command}\n```\n\n```text\nstale\n```\nmiddle\n```bash\n{own}\n```\n\n```text\nmine\n```\n"
+    now = pastes.printed(shlex.split(command.split(" -m gradnorm.audit ")[1]))
+    assert now.startswith("audit of gradnorm.audit.conventions:token_sum_over_global_count")
+    assert pastes.regenerate(page) == page.replace("stale\n", now)  # the user's own file: left as it is
