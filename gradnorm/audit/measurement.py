@@ -154,10 +154,11 @@ def _grad(term: Tensor, leaf: Tensor, scale: float, what: str, where: str, retai
 
 
 def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor,
-          point: Point = Point()) -> dict[str | None, Tensor]:
+          point: Point = Point(), dtypes: set[torch.dtype] | None = None) -> dict[str | None, Tensor]:
     """g (S*T + 1,) per term: the reduced gradient of one optimizer step w.r.t. every token's logp (last: padding).
 
-    The key None holds the total; a loss that names its terms adds one entry per term.
+    The key None holds the total; a loss that names its terms adds one entry per term. ``dtypes``
+    collects the dtype of every term the loss returned (a step returns none).
     """
     if point.step:
         return {None: _call_step(loss_fn, batch, layout, advantages, point)}
@@ -183,6 +184,8 @@ def _call(loss_fn, batch: SyntheticBatch, layout: Layout, advantages: Tensor,
         except LOSS_EXITS as err:
             raise ContractError(f"the loss raised {describe(err)} {where}") from None
         terms = _terms(loss, where)
+        if dtypes is not None:
+            dtypes.update(t.dtype for t in terms.values())
         named, before = set(terms) - {None}, set(grads) - {None}
         if grads and named != before:
             raise ContractError(f"the loss named terms {sorted(named)} here and {sorted(before)} before {where}: "
@@ -267,6 +270,7 @@ class Result:
     factor: dict[str, float] = field(default_factory=dict)  # mode -> c, when w = c * w_mode to tol (else absent)
     layout: Layout | None = None  # every call of the step (the axes beyond the plan)
     terms: dict[str, Tensor] = field(default_factory=dict)  # a loss that names its terms: each one's (S, T) weights
+    dtype: torch.dtype | None = None  # the coarsest dtype the loss returned (None: a step, or weights read elsewhere)
 
     @property
     def world_size(self) -> int:
@@ -324,8 +328,9 @@ def measure(loss_fn, batch: SyntheticBatch, plan: Plan | Layout, convention: Con
         validate_plan(plan, S)
         layout = build(label, plan, batch.response.sum(-1), T, convention.loop)
     slope = slopes(point.objective, batch.advantages, point.beta).unsqueeze(-1)  # (S, 1)
-    plus = _call(loss_fn, batch, layout, batch.advantages, point)
-    minus = _call(loss_fn, batch, layout, -batch.advantages, point) if point.objective.name == "grpo" else None
+    dtypes: set[torch.dtype] = set()
+    plus = _call(loss_fn, batch, layout, batch.advantages, point, dtypes)
+    minus = _call(loss_fn, batch, layout, -batch.advantages, point, dtypes) if point.objective.name == "grpo" else None
     if minus is not None and set(minus) != set(plus):
         raise ContractError(f"the loss named terms {sorted(set(plus) - {None})} with the advantages and "
                             f"{sorted(set(minus) - {None})} with their negatives: every call must return the same terms")
@@ -341,5 +346,6 @@ def measure(loss_fn, batch: SyntheticBatch, plan: Plan | Layout, convention: Con
     ranks = range(layout.num_ranks)
     update = torch.stack([flat[owner == r].sum() for r in ranks]) / (total if total != 0 else 1.0)
     tokens = torch.stack([counted[owner == r].sum() for r in ranks]).double() / batch.mask.sum()
+    coarsest = max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
     return Result(label, layout.plan, weights, residual, update_share=update, token_share=tokens, layout=layout,
-                  terms=terms)
+                  terms=terms, dtype=coarsest)

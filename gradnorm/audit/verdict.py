@@ -299,6 +299,8 @@ def format_report(report: Report) -> str:
     constant = f" (C = N / sum w = {report.constant:.6g}, fitted to the reference)" if "constant" in report.modes else ""
     lines.append(f"distance to each mode (max |w - w_mode| / max |w_mode|, worst configuration): {dist}{constant}")
     lines.append(f"weight outside the mask: {report.leak:.1%} of the total")
+    if (said := tolerance_line(report)) is not None:
+        lines.append(said)
     if report.residual > report.tol and not report.terms:
         lines.append(f"note: part of the gradient does not scale with the advantages ({report.residual:.2g} of the "
                      f"surrogate's; a k1 KL, an entropy bonus?); the weights above exclude it (name the loss's "
@@ -306,6 +308,32 @@ def format_report(report: Report) -> str:
     lines += term_lines(report)
     lines.append(f"verdict: {verdict(report)}")
     return "\n".join(lines)
+
+
+FLOAT_MARGIN = 16
+"""Unit roundoffs a float32 loss may read from its mode: a weight passes through a few roundings (the
+advantage's cast, a division by a count, the scaling), a few unit roundoffs in all; the catalogue's
+losses, cast to float32, stay within a quarter of this at W 16 x A 8 (tests/unit/audit). A ``--tol``
+below it is flagged; the default 1e-6 is 16.8."""
+
+
+def tolerance_line(report: Report) -> str | None:
+    """What the comparisons' tolerance is in the unit roundoffs of the dtype the loss returned (float32 or
+    coarser; a float64 loss says nothing), and whether it leaves the loss's own rounding room."""
+    dtypes = [r.dtype for r in report.results if r.dtype is not None]
+    if not dtypes:
+        return None
+    dtype = max(dtypes, key=lambda d: torch.finfo(d).eps)
+    unit = torch.finfo(dtype).eps / 2
+    if dtype == torch.float64:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    text = (f"tolerance: {report.tol:.2g} relative, {report.tol / unit:.3g} unit roundoffs of {name} "
+            f"({unit:.3g}), the dtype your loss returns")
+    if dtype == torch.float32 and report.tol < FLOAT_MARGIN * unit:  # 16-bit rounding: ``Report.rounded``
+        text += (f"; below the {FLOAT_MARGIN} a {name} loss's own rounding may read: raise --tol to "
+                 f"{FLOAT_MARGIN * unit:.2g} or compute the loss in float64")
+    return text
 
 
 def verdict_table(reports: Sequence[Report]) -> str:

@@ -8,6 +8,7 @@
   and the child with it.
 """
 
+import functools
 import math
 import shlex
 import signal
@@ -296,3 +297,39 @@ def test_pastes_regenerates_the_audit_s_output_in_a_page():
     now = pastes.printed(shlex.split(command.split(" -m gradnorm.audit ")[1]))
     assert now.startswith("audit of gradnorm.audit.conventions:token_sum_over_global_count")
     assert pastes.regenerate(page) == page.replace("stale\n", now)  # the user's own file: left as it is
+
+
+# --- a float32 loss: the tolerance in its own unit ----------------------------------------------------
+
+def _in_float32(fn):
+    """``fn`` computed in float32: every floating input cast, as a bf16/fp32 trainer's loss is."""
+    @functools.wraps(fn)  # the signature stays fn's, so the audit offers the same counts
+    def cast(*args, **kwargs):
+        return fn(*[a.float() if a.is_floating_point() else a for a in args], **kwargs)
+    return cast
+
+
+FLOAT32 = [(conventions.token_sum_over_global_count, "grpo"), (conventions.sequence_mean_then_batch_mean, "grpo"),
+           (conventions.group_mean_then_mean_of_groups, "grpo"), (sft_conventions.token_sum_over_num_items, "sft"),
+           (sft_conventions.sequence_mean_over_sequences, "sft")]
+
+
+@pytest.mark.parametrize("fn, objective", FLOAT32, ids=[fn.__name__ for fn, _ in FLOAT32])
+def test_a_float32_loss_reads_within_the_stated_margin_and_the_report_says_its_tolerance(fn, objective):
+    """The catalogue's right losses, cast to float32, at W 16 x A 8: each matches its mode within a quarter
+    of FLOAT_MARGIN unit roundoffs, and the report says --tol in float32's unit."""
+    report = decide.audit(_in_float32(fn), (16,), (8,), objective=objective)
+    unit = torch.finfo(torch.float32).eps / 2
+    assert report.equals is not None and report.exit_code == 0
+    assert 0 < report.distance[report.equals] <= verdict.FLOAT_MARGIN * unit / 4  # rounded, and within the margin
+    line = verdict.tolerance_line(report)
+    assert line == f"tolerance: 1e-06 relative, {1e-6 / unit:.3g} unit roundoffs of float32 ({unit:.3g}), the dtype " \
+                   "your loss returns" and line in verdict.format_report(report)
+    assert 1e-6 >= verdict.FLOAT_MARGIN * unit  # the default leaves the margin
+
+
+def test_a_tolerance_below_float32_s_rounding_is_flagged_and_float64_says_nothing():
+    fn = conventions.token_sum_over_global_count
+    tight = decide.audit(_in_float32(fn), (2,), (2,), tol=1e-7)
+    assert "below the 16 a float32 loss's own rounding may read: raise --tol" in verdict.tolerance_line(tight)
+    assert verdict.tolerance_line(decide.audit(fn, (2,), (2,))) is None  # the control: float64
