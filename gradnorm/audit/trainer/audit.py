@@ -8,6 +8,12 @@ the probe's gradient (``gradnorm.audit.trainer.readout``), and ``gradnorm.audit.
 the reference and with gradnorm's modes, exactly as it does a loss's: the same Report, verdict and
 exit status.
 
+A GRPO trainer samples its own completions, so each run trains on a batch of its own: its runs
+are compared with gradnorm's modes on their own batches instead (``gradnorm.audit.trainer.generated``),
+with the probe's reward handed to the build as ``reward_func``. ``units`` then counts the
+completions of one optimizer step, two a prompt; the data set holds ``units`` prompts, room for a
+generation batch of up to two optimizer steps.
+
 ``audit_script`` runs a command as the user typed it, once. It has no reference run of its own, so
 its reference is the objective's global mean over the data set (SFT: 1/N on every label token;
 DPO: 1/P on every pair), what one process on the whole batch gives with the standard loss.
@@ -23,16 +29,17 @@ from pathlib import Path
 
 import torch
 
-from gradnorm.audit.decide import Report, _decide
-from gradnorm.audit.measurement import Convention, Point, Result
-from gradnorm.audit.objectives import DEFAULT_BETA, get, mode_weights
+from gradnorm.audit.decide import Report, decide
+from gradnorm.audit.measurement import Result
+from gradnorm.audit.objectives import DEFAULT_BETA, get, mode_weights, slopes
 from gradnorm.audit.synthetic import SyntheticBatch
-from gradnorm.audit.trainer.data import ProbeData, dpo_data, sft_data
+from gradnorm.audit.trainer.data import ProbeData, dpo_data, grpo_prompts, sft_data
+from gradnorm.audit.trainer.generated import GeneratedReport, read_generated
 from gradnorm.audit.trainer.launch import Configuration, TrainerError, run_build, run_script
 from gradnorm.audit.trainer.model import write_probe
 from gradnorm.audit.trainer.readout import Readout, ReadoutError, read
 
-DATA = {"sft": sft_data, "dpo": dpo_data}
+DATA = {"sft": sft_data, "dpo": dpo_data, "grpo": grpo_prompts}
 TOLERANCE = 1e-5
 """Relative. The probe's gradient is fp32, read to about 1e-7 of a weight; a trainer's own fp32
 arithmetic adds its rounding (TRL's chunked LM-head loss gives a label token 1/N to a few 1e-6),
@@ -57,9 +64,10 @@ class Probe:
     @classmethod
     def write(cls, objective: str, units: int, folder: Path) -> Probe:
         if objective not in DATA:
-            raise TrainerError(f"the trainer audit reads SFT and DPO trainers (--objective sft or dpo), not {objective!r}")
+            raise TrainerError(f"the trainer audit reads SFT, DPO and GRPO trainers (--objective sft, dpo or grpo), "
+                               f"not {objective!r}")
         data = DATA[objective](units)
-        write_probe(folder / "probe", data.vocab_size)
+        write_probe(folder / "probe", data.vocab_size, generating=objective == "grpo")
         data.write_jsonl(folder / "data.jsonl")
         return cls(data, folder)
 
@@ -88,10 +96,8 @@ def _batch(data: ProbeData, mask: torch.Tensor) -> SyntheticBatch:
                           group_ids=torch.tensor(data.units), group_size=unit_size)
 
 
-def _result(label: str, readout: Readout, batch: SyntheticBatch, point: Point) -> Result:
-    from gradnorm.audit.objectives import slopes
-
-    weights = readout.values / slopes(point.objective, batch.advantages, point.beta).unsqueeze(-1)
+def _result(label: str, readout: Readout, batch: SyntheticBatch, objective: str, beta: float) -> Result:
+    weights = readout.values / slopes(get(objective), batch.advantages, beta).unsqueeze(-1)
     total = weights.sum()
     tokens = batch.mask.sum()
     owner = [torch.cat(rank) if rank else torch.zeros(0, dtype=torch.long) for rank in readout.plan]
@@ -102,9 +108,10 @@ def _result(label: str, readout: Readout, batch: SyntheticBatch, point: Point) -
 
 @dataclass
 class TrainerReport:
-    """The loss audit's Report of a trainer, and what only a trainer run shows."""
+    """A trainer's audit: the loss audit's Report (SFT, DPO) or a GeneratedReport (GRPO), and what only a
+    trainer run shows."""
 
-    report: Report
+    report: Report | GeneratedReport
     stray: float  # the largest share of gradient outside the data's tokens (prompt, padding) over the runs
     ranks_disagree: list[str]  # configurations whose ranks stepped with different gradients
 
@@ -115,11 +122,10 @@ class TrainerReport:
 
 def _report(name: str, probe: Probe, runs: list[tuple[str, Readout]], beta: float,
             reference: Result | None = None) -> TrainerReport:
-    point = Point(objective=get(probe.data.objective), beta=beta)
-    mask = runs[0][1].mask
-    batch = _batch(probe.data, mask)
-    results = ([reference] if reference else []) + [_result(label, r, batch, point) for label, r in runs]
-    report = _decide(name, batch, Convention(), results, TOLERANCE, point, term=False)
+    objective = probe.data.objective
+    batch = _batch(probe.data, runs[0][1].mask)
+    results = ([reference] if reference else []) + [_result(label, r, batch, objective, beta) for label, r in runs]
+    report = decide(name, batch, results, objective=objective, tol=TOLERANCE, beta=beta)
     return TrainerReport(report, max(r.stray for _, r in runs), [label for label, r in runs if not r.ranks_agree])
 
 
@@ -138,6 +144,9 @@ def audit_trainer(build: str, objective: str = "sft", world_sizes: Sequence[int]
             records = run_build(build, config, probe.model_path, probe.data_path, probe.data.vocab_size,
                                 folder / f"run{i}", timeout)
             runs.append((config.label, _read(probe.data, records)))
+        if objective == "grpo":
+            report = GeneratedReport(build, [label for label, _ in runs], [run for _, run in runs], TOLERANCE)
+            return TrainerReport(report, max(r.stray for _, r in runs), [l for l, r in runs if not r.ranks_agree])
         return _report(build, probe, runs, beta)
 
 
@@ -145,6 +154,9 @@ def audit_script(command: list[str], objective: str = "sft", units: int = 16, be
                  timeout: float = 300.0, keep: Path | None = None,
                  progress: Callable[[str], None] = lambda line: None) -> TrainerReport:
     """Audit the command ``command`` (placeholders {model}, {data}, {output_dir}); see the module docstring."""
+    if objective == "grpo":
+        raise TrainerError("a GRPO trainer is audited with --trainer: its build takes the probe's reward "
+                           "(reward_func), which a script has no way to be handed")
     with _workdir(keep) as folder:
         probe = Probe.write(objective, units, folder)
         progress(f"running {' '.join(command)}")
@@ -167,9 +179,9 @@ def _global_mean(data: ProbeData, mask: torch.Tensor) -> Result:
                   update_share=one, token_share=one)
 
 
-def _read(data: ProbeData, records: list[dict]) -> Readout:
+def _read(data: ProbeData, records: list[dict]):
     try:
-        return read(data, records)
+        return read_generated(data, records) if data.objective == "grpo" else read(data, records)
     except ReadoutError as err:
         raise TrainerError(str(err)) from None
 

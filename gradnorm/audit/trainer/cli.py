@@ -25,6 +25,7 @@ from gradnorm.audit.objectives import DEFAULT_BETA
 from gradnorm.audit.verdict import format_report
 from gradnorm.cli.oneline import OneLineParser
 from gradnorm.audit.trainer.audit import TrainerReport, audit_script, audit_trainer
+from gradnorm.audit.trainer.generated import GeneratedReport
 from gradnorm.audit.trainer.launch import TrainerError
 from gradnorm.audit.trainer.worker import BUILD_KEYWORDS
 
@@ -55,14 +56,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="a function that returns a trainer with .train(); it may ask by name for: " + keywords)
     how.add_argument("--script", action="store_true",
                      help="run the command after -- as typed, {model}, {data} and {output_dir} filled in")
-    p.add_argument("--objective", choices=("sft", "dpo"), default="sft",
-                   help="the probe data set: SFT texts ({'text'}) or DPO pairs ({'prompt', 'chosen', 'rejected'})")
+    p.add_argument("--objective", choices=("sft", "dpo", "grpo"), default="sft",
+                   help="the probe data set: SFT texts ({'text'}), DPO pairs ({'prompt', 'chosen', 'rejected'}) or "
+                        "GRPO prompts ({'prompt'}; --trainer only, the build takes reward_func)")
     p.add_argument("--world-size", type=_positive(int), nargs="+", default=[1, 2], metavar="W",
                    help="ranks of each configuration (--trainer; torchrun for W > 1)")
     p.add_argument("--accum-steps", type=_positive(int), nargs="+", default=[2], metavar="A",
                    help="gradient accumulation steps of each configuration (--trainer)")
     p.add_argument("--units", type=_positive(int), default=16,
-                   help="sequences (SFT) or pairs (DPO) of the probe data set: one optimizer step")
+                   help="sequences (SFT), pairs (DPO) or completions (GRPO) of one optimizer step")
     p.add_argument("--beta", type=_positive(float), default=DEFAULT_BETA, help="the DPO trainer's beta")
     p.add_argument("--timeout", type=_positive(float), default=300.0, help="seconds a launch may take")
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep the probe, data and run files in DIR")
@@ -102,15 +104,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(format_report(result.report))
-    for line in trainer_lines(result):
-        print(line)
+    print(format_trainer_report(result))
     return result.exit_code
 
 
+def format_trainer_report(result: TrainerReport) -> str:
+    """The whole report: the loss audit's (or a generating trainer's) and the trainer's own lines."""
+    if isinstance(result.report, GeneratedReport):
+        return result.report.format()
+    return "\n".join([format_report(result.report), *trainer_lines(result)])
+
+
 def trainer_lines(result: TrainerReport) -> list[str]:
-    """What only a trainer run shows, in words: scale, stray gradient, ranks that disagree."""
+    """What only a trainer run shows, in words: scale, stray gradient, ranks that disagree (SFT, DPO)."""
     report, lines = result.report, []
+    if isinstance(report, GeneratedReport):
+        return []  # its own report says each
     ref = float(report.results[0].weights.sum())
     for res in report.results[1:]:
         total = float(res.weights.sum())

@@ -44,7 +44,7 @@ class ProbeData:
     a DPO pair's two rows share one); ``owner`` maps every content id to its unit.
     """
 
-    objective: str  # "sft" or "dpo"
+    objective: str  # "sft", "dpo" or "grpo"
     records: list[dict]  # one JSON object per example, in the columns the trainers read
     rows: list[list[Slot]]
     units: list[int]
@@ -114,6 +114,30 @@ def dpo_data(num_pairs: int = 12, seed: int = 0) -> ProbeData:
         rows += [_slots(prompt[-1], chosen), _slots(prompt[-1], rejected)]
         units += [p, p]
     return ProbeData("dpo", records, rows, units, ids.owner, vocab_size_for(ids.next))
+
+
+def grpo_prompts(num_prompts: int = 16) -> ProbeData:
+    """GRPO's prompts: two ids of their own each; the trainer samples the completions (``gradnorm.audit.trainer.generated``).
+
+    Records: ``{"prompt": ...}``. ``rows`` are the prompts (the readout learns the completions from
+    the recorded inputs), ``owner`` maps each prompt's last id to its prompt index.
+    """
+    ids, records, rows = _Ids(), [], []
+    for p in range(num_prompts):
+        prompt = ids.take(2, unit=p)
+        records.append({"prompt": _words(prompt)})
+        rows.append([Slot(prompt[0], prompt[1])])
+    vocab = 1024  # room for the completions' content ids: a sampled (input, label) pair repeats rarely
+    return ProbeData("grpo", records, rows, list(range(num_prompts)), ids.owner, max(vocab, vocab_size_for(ids.next)))
+
+
+def parity_reward(prompts=None, completions=None, **kwargs) -> list[float]:
+    """The GRPO probe's reward (TRL's reward-function signature): 1.0 for a completion of an odd number of tokens.
+
+    With two completions a prompt, a group's rewards are {0, 1} (advantages +-c, the same c in every
+    group whatever the std scaling) or equal (advantages 0: that group's tokens carry no gradient).
+    """
+    return [float(len(str(c).split()) % 2) for c in completions]
 
 
 def _lengths(n: int, seed: int) -> list[int]:

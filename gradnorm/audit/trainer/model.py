@@ -22,6 +22,12 @@ The data sets (``gradnorm.audit.trainer.data``) give every content position an i
 names one token of one sequence, whatever rank, microbatch or pack it went to. Shared ids (EOS,
 padding) are told apart by their labels, which are unique.
 
+A probe for a trainer that generates (GRPO) needs ragged lengths and no special id sampled, so its
+head is one column repeated: every content id's logit 0, EOS's log(C * q / (1 - q)) so that EOS
+follows any token with probability q (``EOS_PROBABILITY``), the other specials -1e4 (probability
+exactly 0 in fp32). p is then the same known vector after every input id (``next_token_probs``),
+and the readout takes any content row a column does not use as a label for its base.
+
 Because it is an ordinary ``LlamaForCausalLM`` saved with ``save_pretrained``, any script loads it
 with ``AutoModelForCausalLM.from_pretrained`` and no remote code; TRL's fused LM-head path reads
 ``last_hidden_state`` and ``get_output_embeddings()`` as it would on a real model.
@@ -30,6 +36,7 @@ with ``AutoModelForCausalLM.from_pretrained`` and no remote code; TRL's fused LM
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
@@ -58,7 +65,31 @@ def token_text(token_id: int) -> str:
     return f"t{token_id}"
 
 
-def write_probe(directory: str | Path, vocab_size: int) -> Path:
+EOS_PROBABILITY = 0.25
+"""A generating probe's chance of ending after any token: lengths 1, 2, ... with mean 4, cut at the trainer's max."""
+BLOCKED = -1e4  # a logit whose exp is exactly 0 in fp32
+
+
+def column_logits(vocab_size: int, generating: bool):
+    """(V,) float64: the logits the probe gives after any input id; all 0 unless it ``generating``."""
+    import torch
+
+    logits = torch.zeros(vocab_size, dtype=torch.float64)
+    if generating:
+        content = vocab_size - FIRST_CONTENT - 1  # C: ids FIRST_CONTENT .. V - 2
+        logits[[PAD, BOS, UNK, sink(vocab_size)]] = BLOCKED
+        logits[EOS] = math.log(content * EOS_PROBABILITY / (1 - EOS_PROBABILITY))
+    return logits
+
+
+def next_token_probs(vocab_size: int, generating: bool):
+    """(V,) float64: p, the probe's next-token distribution after any input id, at its first step."""
+    import torch
+
+    return torch.softmax(column_logits(vocab_size, generating), 0)
+
+
+def write_probe(directory: str | Path, vocab_size: int, generating: bool = False) -> Path:
     """Write the probe (model and tokenizer) to ``directory``, loadable with ``from_pretrained``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -77,11 +108,13 @@ def write_probe(directory: str | Path, vocab_size: int) -> Path:
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(torch.eye(vocab_size))  # hidden state of id k: e_k
         model.model.norm.weight.fill_(vocab_size ** -0.5)  # undoes RMSNorm's sqrt(V) on a one-hot, exactly
-        model.lm_head.weight.zero_()  # every logit 0: p = 1/V
+        model.lm_head.weight.copy_(column_logits(vocab_size, generating).unsqueeze(-1).expand(-1, vocab_size))
+        # every column the same: p after any input id is softmax(column_logits), 1/V each unless generating
     model.generation_config.pad_token_id = PAD
     model.save_pretrained(directory)
     _tokenizer(vocab_size).save_pretrained(directory)
-    (directory / "gradnorm_probe.json").write_text(json.dumps({"vocab_size": vocab_size, "sink": sink(vocab_size)}))
+    (directory / "gradnorm_probe.json").write_text(json.dumps({"vocab_size": vocab_size, "sink": sink(vocab_size),
+                                                               "generating": generating}))
     return directory
 
 

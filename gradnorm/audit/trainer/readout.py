@@ -63,8 +63,9 @@ def read(data: ProbeData, records: list[dict]) -> Readout:
         rank = next(r["rank"] for r in records if r["grad"] is None)
         raise ReadoutError(f"rank {rank} stepped its optimizer before the probe model had a gradient: is the model "
                            "the trainer trains the one loaded from the probe directory?")
+    grads = [r["grad"] / r.get("clip", 1.0) for r in records]  # before the trainer's clip (the recorder kept its factor)
     grad = grads[0]
-    ranks_agree = all(torch.equal(g, grad) for g in grads[1:])
+    ranks_agree = all(torch.allclose(g, grad, rtol=1e-5, atol=0) for g in grads[1:])
     ids, labels, exists = slot_table(data)
     V = data.vocab_size
     if grad.shape != (V, V):

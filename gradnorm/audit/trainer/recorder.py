@@ -12,6 +12,12 @@
   (V, V) parameter that is not the embedding: a trainer may apply it without calling its module
   (TRL's fused LM-head loss reads ``get_output_embeddings().weight``), so no forward hook sees it.
 
+- wrappers of ``torch.nn.utils.clip_grad_norm_`` and ``clip_grads_with_norm_`` (accelerate's and
+  the Trainer's path) that keep the first step's clipping factor
+  (max_norm / total_norm when the norm exceeds max_norm): a generating probe's head is not zero,
+  so its embedding and norm get gradient too, and a trainer's clip at max_grad_norm = 1 would
+  scale every weight by a factor the audit itself caused. The readout divides it out and says so.
+
 The environment says what to do: ``GRADNORM_PROBE_OUT`` (where to write) and
 ``GRADNORM_PROBE_VOCAB`` (V). ``gradnorm/audit/trainer/site/sitecustomize.py`` calls ``install()`` in
 every Python process of a command run by ``python -m gradnorm.audit --script``.
@@ -38,6 +44,24 @@ def install() -> bool:
                   rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     nn.modules.module.register_module_forward_pre_hook(_on_forward)
     register_optimizer_step_pre_hook(_on_step)
+    _state["clip"] = 1.0
+    utils = torch.nn.utils
+    clip, clip_with = utils.clip_grad_norm_, utils.clip_grads_with_norm_
+
+    def keep(max_norm, total_norm) -> None:
+        if not _state["done"]:  # the factor both functions multiply every gradient by
+            _state["clip"] = min(1.0, float(max_norm) / (float(total_norm) + 1e-6))
+
+    def recorded_clip(parameters, max_norm, *args, **kwargs):
+        total = clip(parameters, max_norm, *args, **kwargs)
+        keep(max_norm, total)
+        return total
+
+    def recorded_clip_with(parameters, max_norm, total_norm, *args, **kwargs):
+        keep(max_norm, total_norm)
+        return clip_with(parameters, max_norm, total_norm, *args, **kwargs)
+
+    utils.clip_grad_norm_, utils.clip_grads_with_norm_ = recorded_clip, recorded_clip_with
     return True
 
 
@@ -63,5 +87,5 @@ def _on_step(optimizer, args, kwargs) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".rank{_state['rank']}.pt.tmp"
     torch.save({"rank": _state["rank"], "world_size": _state["world_size"], "forwards": _state["forwards"],
-                "grad": grad}, tmp)
+                "grad": grad, "clip": _state["clip"]}, tmp)
     tmp.replace(out / f"rank{_state['rank']}.pt")  # whole or absent: the audit never reads half a file

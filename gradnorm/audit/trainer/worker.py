@@ -30,7 +30,10 @@ BUILD_KEYWORDS = {
     "output_dir": "a folder of the audit's own for the trainer's files",
     "world_size": "W of this configuration",
     "accum_steps": "A: gradient accumulation steps",
-    "per_device_batch": "examples per rank and microbatch (W * A * per_device_batch = the data set)",
+    "per_device_batch": "examples per rank and microbatch (SFT, DPO: W * A * per_device_batch = the data set; GRPO: "
+                        "completions, W * A * per_device_batch = the completions of one optimizer step)",
+    "reward_func": "GRPO: the probe's reward, TRL's signature (prompts, completions, **kwargs) -> list[float]",
+    "num_generations": "GRPO: completions per prompt, 2 (what the probe's advantages need)",
 }
 
 
@@ -56,7 +59,10 @@ def run(spec: dict) -> None:
         train_dataset = datasets.Dataset.from_list(records)
     except ImportError:
         train_dataset = records
+    from gradnorm.audit.trainer.data import parity_reward
+
     offered = {"model": lambda: AutoModelForCausalLM.from_pretrained(spec["model_path"]),
+               "reward_func": lambda: parity_reward, "num_generations": lambda: 2,
                "tokenizer": lambda: AutoTokenizer.from_pretrained(spec["model_path"]),
                "train_dataset": lambda: train_dataset, **{k: (lambda k=k: spec[k]) for k in BUILD_KEYWORDS
                                                             if k in spec}}

@@ -1,0 +1,270 @@
+"""Reading a trainer that samples its own completions (GRPO): cells, advantages, and the modes on each run's batch.
+
+A GRPO trainer's completions are sampled, so each run (one process, or W ranks x A steps) trains
+on a batch of its own: its weights cannot be compared token by token with another run's. Each run
+is compared instead with gradnorm's modes computed on its own batch (``gradnorm.audit.objectives.
+mode_weights``: token 1/N, sequence 1/(S*|o_i|), group 1/(Ga*N_g), local 1/(W*A*N[r,m])); a trainer
+is invariant when every run equals the same invariant mode.
+
+What a run trained on comes from the recorded inputs of its forwards with gradients: in every row,
+the prompt (two ids of its own: ``gradnorm.audit.trainer.data.grpo_prompts``), then the completion
+up to and including its first EOS. The probe samples content ids uniformly (and EOS with a fixed
+probability), so two positions of the batch may share an (input id, label) pair, a **cell**: the
+gradient holds the sum of their w * A, and so does the comparison, which is made cell by cell:
+
+    measured(k, y) = sum over positions (k -> y) of w * A        expected_mode(k, y) = the same sum of w_mode * A
+
+On policy (the ratio is 1) the clipped surrogate -A * ratio has slope -A in log p. The probe's
+reward (``parity_reward``) with two completions a prompt gives every group rewards {0, 1}
+(advantages +-c, one c for the whole batch whatever the std scaling: ``ADVANTAGE``, TRL's default
+``scale_rewards="group"``) or equal rewards (advantages 0, no gradient: those cells read 0 and are
+left out of the comparison; their tokens still count in every mode's N). A completion whose partner
+trains in another optimizer step (a generation batch that spans several) takes its advantage's
+sign from its own first cell. A run whose weights equal
+a mode up to one uniform factor is said so, with the factor (another std scaling of the
+advantages shows as one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from gradnorm.audit.objectives import GRPO, mode_weights
+from gradnorm.audit.trainer.data import ProbeData, parity_reward
+from gradnorm.audit.trainer.model import EOS, FIRST_CONTENT, PAD, next_token_probs, sink, token_text
+from gradnorm.audit.trainer.readout import ReadoutError
+
+ADVANTAGE = 0.5 / (math.sqrt(0.5) + 1e-4)
+"""c: the advantage of a group with rewards {0, 1}, centered and divided by its std (unbiased, sqrt(1/2)) + 1e-4."""
+MODES = ("token", "sequence", "group", "local")
+
+
+@dataclass
+class Completion:
+    prompt: int  # the prompt's index: the group
+    tokens: list[int]  # the labels: content ids, then EOS unless cut at the trainer's maximum
+    context: int  # the prompt's last id: the input the first label is predicted from
+    rank: int
+    microbatch: int
+
+    @property
+    def cells(self) -> list[tuple[int, int]]:
+        inputs = [self.context, *self.tokens[:-1]]
+        return list(zip(inputs, self.tokens))
+
+
+@dataclass
+class GeneratedRun:
+    """One run's batch, its cells and what the gradient says of each."""
+
+    completions: list[Completion]
+    mask: Tensor  # (S, T) bool: each completion's labels
+    advantages: Tensor  # (S,) float64: +-ADVANTAGE, or 0 for a group of equal rewards
+    plan: list[list[Tensor]]  # plan[r][m]: the completions rank r's m-th forward trained on
+    cells: dict[tuple[int, int], list[tuple[int, int]]]  # (k, y) -> [(completion, position)]
+    measured: dict[tuple[int, int], float]
+    stray: float
+    ranks_agree: bool
+    world_size: int
+    modes: dict[str, "ModeFit"] = field(default_factory=dict)
+
+    @property
+    def accum_steps(self) -> int:
+        return max(len(rank) for rank in self.plan)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+@dataclass(frozen=True)
+class ModeFit:
+    distance: float  # max |measured - f * expected| / max |f * expected| over the readable cells
+    factor: float  # f: the uniform factor that fits best (1 when the mode is met exactly)
+
+
+def _completions(data: ProbeData, records: list[dict]) -> list[Completion]:
+    last_prompt_id = {row[0].label: p for p, row in enumerate(data.rows)}  # a prompt's second id -> prompt
+    found = []
+    for record in records:
+        for m, forward in enumerate(record["forwards"]):
+            for row in forward.reshape(-1, forward.shape[-1]).tolist():
+                at = next((j for j, i in enumerate(row) if i in last_prompt_id), None)
+                if at is None:
+                    continue
+                tokens = []
+                for i in row[at + 1:]:
+                    if i == PAD:
+                        break
+                    tokens.append(i)
+                    if i == EOS:
+                        break
+                if tokens:
+                    found.append(Completion(last_prompt_id[row[at]], tokens, row[at], record["rank"], m))
+    return found
+
+
+def read_generated(data: ProbeData, records: list[dict]) -> GeneratedRun:
+    """The batch a GRPO run trained on at its first optimizer step, and every cell's measured w * A."""
+    if not records:
+        raise ReadoutError("the trainer never stepped its optimizer: no rank reached an optimizer step")
+    if any(r["grad"] is None for r in records):
+        raise ReadoutError("a rank stepped its optimizer before the probe model had a gradient: is the model the "
+                           "trainer trains the one loaded from the probe directory?")
+    completions = _completions(data, records)
+    if not completions:
+        raise ReadoutError("no forward with gradients held a probe prompt: does the trainer train on the probe's "
+                           "prompts (the data set's 'prompt' column)?")
+    grad = records[0]["grad"] / records[0].get("clip", 1.0)  # the gradient before the trainer's clip
+    ranks_agree = all(torch.allclose(r["grad"] / r.get("clip", 1.0), grad, rtol=1e-5, atol=0) for r in records[1:])
+    S, T = len(completions), max(len(c.tokens) for c in completions)
+    mask = torch.zeros(S, T, dtype=torch.bool)
+    for i, c in enumerate(completions):
+        mask[i, : len(c.tokens)] = True
+    words = [" ".join(token_text(t) for t in c.tokens if t != EOS) for c in completions]
+    rewards = torch.tensor(parity_reward(None, words), dtype=torch.float64)
+    groups = torch.tensor([c.prompt for c in completions])
+    advantages = torch.zeros(S, dtype=torch.float64)
+    for g in groups.unique():
+        members = groups == g
+        centered = rewards[members] - rewards[members].mean()
+        advantages[members] = torch.sign(centered) * ADVANTAGE
+    lone = [i for i in range(S) if int((groups == groups[i]).sum()) == 1]
+    for i in lone:  # its partner trains in another optimizer step: the sign of its first cell says A's
+        k, y = completions[i].cells[0]
+        value = float(grad[y, k])  # -w * A (plus p_y * sum, which is 0 for a column of this completion alone)
+        advantages[i] = -math.copysign(ADVANTAGE, value) if value != 0 else 0.0
+    ranks = sorted({c.rank for c in completions})
+    plan = [[torch.tensor([i for i, c in enumerate(completions) if c.rank == r and c.microbatch == m])
+             for m in sorted({c.microbatch for c in completions if c.rank == r})] for r in ranks]
+    cells: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for i, c in enumerate(completions):
+        for t, cell in enumerate(c.cells):
+            cells.setdefault(cell, []).append((i, t))
+    p = next_token_probs(data.vocab_size, generating=True)
+    p_content = float(p[FIRST_CONTENT])
+    labels_of: dict[int, set[int]] = {}
+    for k, y in cells:
+        labels_of.setdefault(k, set()).add(y)
+    column_sum = {}  # k -> sum over the column's positions of w * A, from a content row no position there uses
+    for k, ys in labels_of.items():
+        base = next(r for r in range(FIRST_CONTENT, sink(data.vocab_size)) if r not in ys)
+        column_sum[k] = float(grad[base, k]) / p_content
+    measured = {(k, y): column_sum[k] * float(p[y]) - float(grad[y, k]) for (k, y) in cells}
+    expected_off = torch.zeros_like(grad)  # what the gradient holds if only the cells carry weight
+    for k, total in column_sum.items():
+        expected_off[:, k] = p * total
+    for (k, y), value in measured.items():
+        expected_off[y, k] -= value
+    total = sum(abs(v) for v in measured.values())
+    stray = float((grad - expected_off).abs().sum()) / total if total > 0 else 0.0
+    world = records[0]["world_size"]
+    return GeneratedRun(completions, mask, advantages, plan, cells, measured, stray, ranks_agree, world)
+
+
+def fit_modes(run: GeneratedRun) -> dict[str, ModeFit]:
+    """Each mode's distance from the run, cell by cell, after the uniform factor that fits best."""
+    groups = torch.tensor([c.prompt for c in run.completions])
+    _, group_ids = groups.unique(return_inverse=True)
+    num_groups = int(group_ids.max()) + 1
+    readable = [cell for cell, where in run.cells.items() if any(run.advantages[i] != 0 for i, _ in where)]
+    measured = torch.tensor([run.measured[c] for c in readable], dtype=torch.float64)
+    for mode in MODES:
+        w = mode_weights(GRPO, mode, run.mask, group_ids, num_groups, run.plan, 0.0)  # (S, T)
+        wa = w * run.advantages.unsqueeze(-1)
+        expected = torch.tensor([sum(float(wa[i, t]) for i, t in run.cells[c]) for c in readable], dtype=torch.float64)
+        norm = float(expected @ expected)
+        factor = float(measured @ expected) / norm if norm > 0 else math.nan
+        scaled = factor * expected
+        top = float(scaled.abs().max()) if len(scaled) else 0.0
+        distance = float((measured - scaled).abs().max()) / top if top > 0 else math.inf
+        run.modes[mode] = ModeFit(distance, factor)
+    return run.modes
+
+
+INVARIANT_MODES = ("token", "sequence", "group")
+
+
+@dataclass
+class GeneratedReport:
+    """The trainer audit of a GRPO trainer: each run against the modes on its own batch, and the verdict."""
+
+    name: str
+    labels: list[str]
+    runs: list[GeneratedRun]  # runs[0]: the reference (one process, one microbatch)
+    tol: float
+
+    def fits(self, run: GeneratedRun) -> dict[str, ModeFit]:
+        return run.modes or fit_modes(run)
+
+    def equals(self, run: GeneratedRun) -> str | None:
+        """The mode the run's weights equal exactly (factor 1), invariant modes first; None if none."""
+        fits = self.fits(run)
+        for mode in (*INVARIANT_MODES, "local"):
+            if fits[mode].distance < self.tol and abs(fits[mode].factor - 1) < self.tol:
+                return mode
+        return None
+
+    def shaped(self, run: GeneratedRun) -> str | None:
+        """The invariant mode the run equals up to one uniform factor (a scale error), if it equals none exactly."""
+        fits = self.fits(run)
+        return next((m for m in INVARIANT_MODES if fits[m].distance < self.tol), None)
+
+    @property
+    def reference_mode(self) -> str | None:
+        return self.equals(self.runs[0])
+
+    @property
+    def invariant(self) -> bool:
+        mode = self.reference_mode
+        return (mode in INVARIANT_MODES and all(self.equals(r) == mode for r in self.runs)
+                and all(r.ranks_agree for r in self.runs))
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.invariant else 1
+
+    def verdict(self) -> str:
+        mode = self.reference_mode
+        if self.invariant:
+            return (f"INVARIANT: every run equals gradnorm's `{mode}` on its own batch, to {self.tol:g} (the runs "
+                    "sample different completions, so each is compared with the modes, not token by token)")
+        said = []
+        for label, run in zip(self.labels, self.runs):
+            exact, shape = self.equals(run), self.shaped(run)
+            fits = self.fits(run)
+            if exact == mode and mode in INVARIANT_MODES:
+                continue
+            if exact == "local":
+                said.append(f"{label} equals `local`: each microbatch by its own count (skewed)")
+            elif shape is not None:
+                said.append(f"{label} equals `{shape}` up to a factor {fits[shape].factor:.6g}: the step's weights sum to "
+                            f"that many times the mode's (a count over another window than the optimizer step's?)")
+            else:
+                best = min(fits, key=lambda m: fits[m].distance)
+                said.append(f"{label} equals no gradnorm mode (nearest `{best}`, {fits[best].distance:.3g} away)")
+            if not run.ranks_agree:
+                said.append(f"under {label} the ranks stepped with different gradients (no all-reduce?)")
+        return "SKEWED: " + "; ".join(said) if said else "SKEWED"
+
+    def format(self) -> str:
+        lines = [f"audit of {self.name} (GRPO, a generating trainer)",
+                 "each run samples its own completions (2 a prompt, rewards {0, 1}); every run is compared with "
+                 "gradnorm's modes on its own batch, cell by cell (distance after the best uniform factor; the factor)",
+                 f"  W   A  {'run':<12} {'seqs':>5} {'tokens':>6}  " + "  ".join(f"{m:>19}" for m in MODES)
+                 + "  equals"]
+        for label, run in zip(self.labels, self.runs):
+            fits = self.fits(run)
+            cells = "  ".join(f"{fits[m].distance:9.2g} x{fits[m].factor:<8.4g}" for m in MODES)
+            exact = self.equals(run) or (f"{self.shaped(run)} x{fits[self.shaped(run)].factor:.4g}"
+                                         if self.shaped(run) else "none")
+            lines.append(f"{run.world_size:>3} {run.accum_steps:>3}  {label:<12} {len(run.completions):>5} "
+                         f"{run.tokens:>6}  {cells}  {exact}")
+        stray = max(r.stray for r in self.runs)
+        lines.append(f"gradient outside the sampled tokens: {100 * stray:.2g}% of the total")
+        lines.append(f"verdict: {self.verdict()}")
+        return "\n".join(lines)
