@@ -11,7 +11,9 @@
 - ``measurement``  runs the loss under one layout and reads each token's weight off the gradient
                    (pure: no processes, no torch.distributed)
 - ``decide``       compares every configuration with the reference and gradnorm's modes: the Report
-- ``verdict``      the Report in words: the verdict line, the table, and why a loss is skewed
+- ``diagnosis``    the Report's decision as data: the headline, each axis's skew and cause, the match
+- ``verdict``      the diagnosis in words: the verdict line, the table, and why a loss is skewed
+- ``pastes``       the command's output pasted in Markdown, regenerated
 - ``cli``          ``python -m gradnorm.audit module:function``: the flags and the command
 - ``conventions``  a catalogue of published conventions, written from their formulas
 - ``plot``         the weight map and each rank's share, drawn on a given Axes

@@ -10,8 +10,9 @@ which mode they equal, and, when a loss fails, why:
     unequal counts  invariant on every plan whose microbatches hold equal numbers of sequences,
                     skewed on a plan whose microbatches do not (``balanced`` packs by tokens)
 
-and it refuses (``ContractError``) a run whose only configuration is the reference. The words
-of the verdict are ``gradnorm.audit.verdict``'s.
+and it refuses (``ContractError``) a run whose only configuration is the reference. ``decide``
+is the same comparison for weights read elsewhere (the trainer audit). What the report finds,
+as data, is ``gradnorm.audit.diagnosis``'s; its words ``gradnorm.audit.verdict``'s.
 """
 
 from __future__ import annotations

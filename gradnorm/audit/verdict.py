@@ -1,20 +1,12 @@
-"""The verdict in words: what a ``Report`` says about a loss, and why.
+"""The verdict in words: every sentence the audit prints about a ``Report``, in one place.
 
-``verdict`` is the one line the command ends with: wrong sign, skewed, leaking or invariant,
-the mode the weights equal (or nearly equal: ``explain_factor`` names the factor and what it
-says about the loss), and a clause for each split the loss is skewed by alone. ``format_report``
-is the command's whole output, ``verdict_table`` one row per audited loss.
-
-A loss is "skewed only by" an axis of ``splits`` when every configuration without it is
-invariant and one with it is not. Its clause then says what the weights show under that axis,
-by one of two tests:
-
-    a uniform factor   every token weighs c times the mode's weight; c = K (or 1/K) names a
-                       context-parallel reduction, c = 1/P a pipeline schedule's mean, and
-                       c_r = k / A_r on each rank r a division by the rank's own microbatch count
-    uniform units      every counted token of a unit (a packed row, a rank's chunk, a pipeline
-                       microbatch) weighs the same while the mode's weights differ there: the
-                       loss takes a mean over the unit, as if it were one sequence or one batch
+The decision is data, made before any word (``gradnorm.audit.diagnosis.diagnose``: the headline,
+one ``Skew`` per axis, the ``Match``); this module only says it. ``verdict`` is the one line the
+command ends with, ``words`` the same from a given ``Diagnosis``; each headline, each way of
+matching a mode and each axis's cause has its sentence in a table (``HEADLINES``, ``MATCHES``,
+``AXIS_WORDS``, ``CAUSES``), so a new axis or cause is a row here and a row there.
+``explain_factor`` names a uniform factor in W and A and what it says about the loss.
+``format_report`` is the command's whole output, ``verdict_table`` one row per audited loss.
 """
 
 from __future__ import annotations
@@ -24,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
-from torch import Tensor
 
 from gradnorm.audit.decide import Near, Report
+from gradnorm.audit.diagnosis import Diagnosis, Match, Skew, close, diagnose
 from gradnorm.audit.masking import MaskedFinding
-from gradnorm.audit.measurement import Convention, Result
+from gradnorm.audit.measurement import Convention
 from gradnorm.audit.objectives import GRPO
 
 WRONG_SIGN = GRPO.wrong_sign  # GRPO's; each objective says its own (``Objective.wrong_sign``)
@@ -104,26 +96,10 @@ def percent(x: float, rounding: float = 0.0) -> str:
     return f"{100 * x:.2g}%"
 
 
-def _equal_counts_clause(report: Report) -> str:
-    """Invariant on fixed-size microbatches, skewed only where sequence counts differ: say so, and how to narrow."""
-    even = list(dict.fromkeys(r.label for r in report.results[1:] if r.equal_counts and not r.axes))
-    uneven = [r for r in report.results[1:] if not r.equal_counts and r.change > report.tol]  # those that changed
-    budget = any("budget" in r.axes for r in report.results)
-    mode = report.equals_at_equal_counts
-    like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
-    where = f", where it equals {like}" if mode else ""
-    unit = "pairs" if report.objective.unit == "pair" else "sequences"
-    return (f"invariant whenever every microbatch holds the same number of {unit}{where}; skewed by up to "
-            f"{percent(max(r.change for r in uneven), report.tol)} when they do not (under "
-            f"{', '.join(dict.fromkeys(r.label for r in uneven))})"
-            + (f"; if your trainer's microbatches hold a fixed number of {unit}, audit with --sharding "
-               f"{' '.join(even)}{' and no --microbatch-tokens' if budget else ''}" if even else ""))
-
-
 def loudness_clause(report: Report) -> str | None:
     """``32x too loud at W=1 A=32 (interleave)``: the total weight against one process', where furthest from 1."""
     ratio, where = report.loudness
-    if _close(ratio, 1.0, report.tol):
+    if close(ratio, 1.0, report.tol):
         return None
     how = f"{ratio:.3g}x too loud" if ratio > 1 else f"{1 / ratio:.3g}x too quiet" if ratio > 0 else f"{ratio:.3g}x"
     return f"{how} at W={where.world_size} A={where.accum_label} ({where.label}) against one process"
@@ -152,9 +128,9 @@ def per_rank_clause(report: Report) -> str:
     """Each rank divides by its own count: the law, the trainers known to do it, the fix."""
     found, W = report.per_rank_count, [r.world_size for r in report.results]
     units, n = UNITS[found.mode]
-    if all(_close(k * w, 1, report.tol) for k, w in zip(found.per_rank, W)):
+    if all(close(k * w, 1, report.tol) for k, w in zip(found.per_rank, W)):
         law = f"{n} / (W * {n}_r)"
-    elif all(_close(k, 1, report.tol) for k in found.per_rank):
+    elif all(close(k, 1, report.tol) for k in found.per_rank):
         law = f"{n} / {n}_r"
     else:
         law = f"a multiple of {n} / {n}_r"
@@ -170,69 +146,86 @@ def term_lines(report: Report) -> list[str]:
 
 
 def verdict(report: Report) -> str:
-    """One line: wrong sign, skewed, leaking or invariant, and the mode it equals (or nearly equals).
+    """One line: the headline (wrong sign, scaled, miscounts, skewed, leaking or invariant), then each finding.
 
-    A composite loss's line leads with its failing terms (``term_lines`` has every term's own).
+    The decision is ``gradnorm.audit.diagnosis.diagnose``'s; this says it. A composite loss's line
+    leads with its failing terms (``term_lines`` has every term's own).
     """
-    failing = [name for name, term in report.terms.items() if term.exit_code]
-    if failing:
-        worst = report.terms[failing[0]]
-        lead = f"SKEWED in term {failing[0]!r}" + (f" (and {', '.join(map(repr, failing[1:]))})" if failing[1:] else "")
-        loud = loudness_clause(worst)
+    return words(report, diagnose(report))
+
+
+def words(report: Report, found: Diagnosis) -> str:
+    """``found`` in English, in the order it is decided: headline, loudness, axes, leak, masking, match."""
+    if found.failing:
+        worst = report.terms[found.failing[0]]
+        others = f" (and {', '.join(map(repr, found.failing[1:]))})" if found.failing[1:] else ""
         whole = verdict(replace(report, terms={}))
-        return f"{lead}: {loud or verdict(worst)}; the loss's total reads {whole}"
+        return (f"SKEWED in term {found.failing[0]!r}{others}: {loudness_clause(worst) or verdict(worst)}; "
+                f"the loss's total reads {whole}")
     change = change_clause(report)
-    if report.scaled and not report.leaks and not report.wrong_sign:
-        parts = [f"SCALED: {scaled_clause(report)}", f"otherwise invariant ({change})"]
-    elif report.wrong_sign:
-        parts = [f"WRONG SIGN: {report.objective.wrong_sign} ({report.negative:.1%} of the weight inside the mask "
-                 "is negative)",
-                 change]
-    elif report.invariant and not report.leaks and report.masked and report.masked.counts_dropped:
-        # the headline is the miscount; the weights are otherwise the same in every configuration
-        parts = [f"MISCOUNTS: {masked_clause(report.masked)}", f"otherwise invariant ({change})"]
-    else:
-        parts = [f"{'SKEWED' if not report.invariant else 'LEAKS' if report.leaks else 'INVARIANT'}: {change}"]
-    if report.term and not report.invariant and (loud := loudness_clause(report)):
-        parts.append(loud)
-    clauses = axis_clauses(report)
-    parts += clauses
-    if report.skewed_only_by_unequal_counts and not any(c.startswith(BUDGET_LEAD) for c in clauses):
-        parts.append(_equal_counts_clause(report))
+    parts = HEADLINES[found.headline](report, change)
+    if found.loud is not None:
+        parts.append(loudness_clause(report))
+    parts += [skew_clause(report, skew) for skew in found.skews]
     if report.leaks:
         dropped = " or declared dropped (truncated responses, rejected tokens)" if report.masked else ""
         parts.append(f"{report.leak:.1%} of the weight LEAKS onto tokens outside the mask{dropped}")
-    if report.masked and not parts[0].startswith("MISCOUNTS"):
+    if report.masked and found.headline != "MISCOUNTS":
         parts.append(masked_clause(report.masked))
-    if report.rounded:
-        mode, dtype = report.rounded
-        what = f"equals a constant denominator C = {report.constant:.6g}, which is" if report.equals else "equals"
-        parts.append(f"{what} gradnorm's `{mode}` to within the rounding of {dtype} ({percent(report.distance[mode])} "
-                     f"off): the loss computes its weights in {dtype}; audit it in float32 to tell them apart")
-    elif report.equals == "local" and len(report.matches) > 1:  # the bug's mode, only because nothing tells them apart
-        named = [f"a constant C = {report.constant:.6g}" if m == "constant" else f"`{m}`" for m in report.matches]
-        parts.append(f"equals gradnorm's {', '.join(named[:-1])} and {named[-1]} alike: on this synthetic minibatch "
-                     f"({_sameness(report)}) they give every token the same weight, so the audit cannot tell them "
-                     "apart; audit with a minibatch whose lengths vary (--max-new-tokens above 1)")
-    elif report.equals == "constant" and report.scaled:
-        pass  # the headline says it
-    elif report.equals == "constant":
-        parts.append(f"equals a constant denominator C = {report.constant:.6g}")
-    elif report.equals:
-        parts.append(f"equals gradnorm's `{report.equals}`")
-    elif report.near and not clauses:  # an axis clause names the factor better
-        mode = report.near.mode
-        like = f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
-        hint = ""
-        if report.objective.name == "dpo" and report.near.powers == ((0, 0),) and not report.term:
-            hint = f" ({pair_factor_reading(report.near.scale, report.point.beta)})"
-        subject = "the term" if report.term else "your loss"
-        parts.append(f"equals {like} {explain_factor(report.near, report.convention, report.tol, subject)}{hint}")
-    elif report.per_rank_count and not clauses:
-        parts.append(per_rank_clause(report))
-    elif not report.skewed_only_by_unequal_counts and not clauses:  # the clauses above name the mode
-        parts.append("equals no gradnorm mode")
-    return "; ".join(parts)
+    said = MATCHES[found.match.how](report, found.match)
+    return "; ".join(parts + ([said] if said else []))
+
+
+HEADLINES = {
+    "WRONG SIGN": lambda r, change: [f"WRONG SIGN: {r.objective.wrong_sign} ({r.negative:.1%} of the weight inside "
+                                     "the mask is negative)", change],
+    "SCALED": lambda r, change: [f"SCALED: {scaled_clause(r)}", f"otherwise invariant ({change})"],
+    "MISCOUNTS": lambda r, change: [f"MISCOUNTS: {masked_clause(r.masked)}", f"otherwise invariant ({change})"],
+    "SKEWED": lambda r, change: [f"SKEWED: {change}"],
+    "LEAKS": lambda r, change: [f"LEAKS: {change}"],
+    "INVARIANT": lambda r, change: [f"INVARIANT: {change}"],
+}
+"""The verdict's first words, by the diagnosis' headline."""
+
+
+def _like(report: Report, mode: str) -> str:
+    return f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`"
+
+
+def _rounded(report: Report, match: Match) -> str:
+    what = f"equals a constant denominator C = {report.constant:.6g}, which is" if report.equals else "equals"
+    return (f"{what} gradnorm's `{match.mode}` to within the rounding of {match.dtype} "
+            f"({percent(report.distance[match.mode])} off): the loss computes its weights in {match.dtype}; audit it "
+            "in float32 to tell them apart")
+
+
+def _tie(report: Report, match: Match) -> str:
+    named = [f"a constant C = {report.constant:.6g}" if m == "constant" else f"`{m}`" for m in match.tied]
+    return (f"equals gradnorm's {', '.join(named[:-1])} and {named[-1]} alike: on this synthetic minibatch "
+            f"({_sameness(report)}) they give every token the same weight, so the audit cannot tell them apart; "
+            "audit with a minibatch whose lengths vary (--max-new-tokens above 1)")
+
+
+def _near(report: Report, match: Match) -> str:
+    near, hint = match.near, ""
+    if report.objective.name == "dpo" and near.powers == ((0, 0),) and not report.term:
+        hint = f" ({pair_factor_reading(near.scale, report.point.beta)})"
+    subject = "the term" if report.term else "your loss"
+    return f"equals {_like(report, near.mode)} {explain_factor(near, report.convention, report.tol, subject)}{hint}"
+
+
+MATCHES = {
+    "rounded": _rounded,
+    "tie": _tie,
+    "constant": lambda r, m: f"equals a constant denominator C = {r.constant:.6g}",
+    "scaled": lambda r, m: None,  # the headline says it
+    "mode": lambda r, m: f"equals gradnorm's `{m.mode}`",
+    "near": _near,
+    "per_rank": lambda r, m: per_rank_clause(r),
+    "none": lambda r, m: "equals no gradnorm mode",
+    "unsaid": lambda r, m: None,  # an axis's clause names the mode
+}
+"""The verdict's last clause, by how the weights match a mode."""
 
 
 def pair_factor_reading(k: float, beta: float) -> str:
@@ -349,147 +342,62 @@ def verdict_table(reports: Sequence[Report]) -> str:
     return "\n".join(rows)
 
 
-# ---- why a loss is skewed by one split: the clause of each axis
+# ---- why a loss is skewed by one split: the words of each Skew
 
 BUDGET_LEAD = "under a token budget"
 
+AXIS_WORDS = {  # axis: (what it is invariant without, where it is skewed)
+    "pack": lambda s, conv: ("invariant on unpacked rows", "on rows packed back to back"),
+    "cp": lambda s, conv: ("invariant without context parallelism", f"when each row is split over {s.size} ranks"),
+    "pipeline": lambda s, conv: ("invariant without a pipeline", f"under a pipeline schedule of {s.size} microbatches "
+                                                                 f"combined by {conv.pipeline_combine}"),
+}
 
-def _close(a: float, b: float, tol: float) -> bool:
-    return abs(a - b) <= tol * max(abs(a), abs(b))
-
-
-def skewed_only_by(report: Report, axis: str) -> bool:
-    """Invariant on every configuration without ``axis``, skewed on one with it."""
-    within = [r.change for r in report.results[1:] if axis in r.axes]
-    without = [r.change for r in report.results[1:] if axis not in r.axes]
-    return bool(within) and max(within) > report.tol and all(c <= report.tol for c in without)
-
-
-def _mode_without(report: Report, axis: str) -> str | None:
-    """The first mode matched by the reference and every configuration without ``axis``."""
-    without = [r for r in report.results if axis not in r.axes]
-    return next((m for m in report.modes if max(r.distance[m] for r in without) <= report.tol), None)
-
-
-def _units(result: Result, axis: str) -> list[Tensor]:
-    """Flat positions of each unit: a packed row (pack), or a call's positions (cp, pipeline)."""
-    S, T = result.weights.shape
-    if axis == "pack":
-        rows = [row for call in result.layout.calls for row in call.index]
-    else:
-        rows = [call.index.reshape(-1) for call in result.layout.calls]
-    return [row[row < S * T] for row in rows]
-
-
-def _uniform_units(report: Report, axis: str) -> bool:
-    """Every unit's counted tokens weigh the same, on every result with ``axis``, where the reference's differ."""
-    tol, mask = report.tol, report.batch.mask.reshape(-1)
-    reference = report.results[0].weights.reshape(-1)
-    informative = False
-    for result in (r for r in report.results if axis in r.axes):
-        w = result.weights.reshape(-1)
-        for unit in _units(result, axis):
-            unit = unit[mask[unit]]
-            if len(unit) < 2:
-                continue
-            if not _close(float(w[unit].max()), float(w[unit].min()), tol):
-                return False
-            informative |= not _close(float(reference[unit].max()), float(reference[unit].min()), tol)
-    return informative
+CAUSES = {  # (axis, cause): why, in words
+    ("pack", "unit_mean"): lambda s: "every token of a packed row gets the same weight: your loss averages each row "
+                                     "as if it were one sequence (a per-row mean over packs); divide each token by "
+                                     "its own sequence's length (ask for sequence_ids and sequence_tokens)",
+    ("cp", "sum_over_k"): lambda s: f"every weight is K = {s.size} times too large: are gradients summed over each "
+                                    "context-parallel group? then audit with --cp-reduction sum",
+    ("cp", "times_k"): lambda s: f"every weight is K = {s.size} times too large: your loss multiplies by K, which a "
+                                 "sum over the group does not need",
+    ("cp", "over_k"): lambda s: f"every weight is divided by K = {s.size}: the mean over dp x cp ranks divides by "
+                                "W*K, and your loss undoes only W; multiply by context_parallel",
+    ("cp", "unit_mean"): lambda s: "every token of a rank's chunk gets the same weight, set by the chunk's own token "
+                                   "count (a per-chunk mean); divide the chunk's token sum by the global count "
+                                   "num_tokens",
+    ("pipeline", "over_p"): lambda s: f"the schedule's mean divides every weight by P = {s.size}: multiply by "
+                                      "pipeline_microbatches, or audit with --pipeline-combine sum if your schedule sums",
+    ("pipeline", "times_p"): lambda s: f"every weight is P = {s.size} times too large: does your schedule average its "
+                                       "microbatches' losses? then audit with --pipeline-combine mean",
+    ("pipeline", "unit_mean"): lambda s: "every token of a pipeline microbatch gets the same weight, set by its own "
+                                         "token count (a per-microbatch mean); divide by the global count num_tokens "
+                                         "instead",
+}
 
 
-def _common_factor(report: Report, axis: str, mode: str) -> float | None:
-    """c when every result with ``axis`` weighs every token c times ``mode``'s weight, else None."""
-    factors = [r.factor.get(mode) for r in report.results if axis in r.axes]
-    if not factors or None in factors or not all(_close(c, factors[0], report.tol) for c in factors):
-        return None
-    return factors[0]
-
-
-def _per_rank_accum(report: Report) -> bool:
-    """On every token-budget result, rank r's tokens weigh k / A_r times their weight in one process (one k)."""
-    mask, expected = report.batch.mask, report.results[0].weights
-    for result in (r for r in report.results if "budget" in r.axes):
-        ks = []
-        for rank in result.plan:
-            for mb in rank:
-                kept = mask[mb]
-                got, want = result.weights[mb][kept], expected[mb][kept]
-                if len(got) == 0:
-                    continue
-                ratio = got / want
-                if not _close(float(ratio.max()), float(ratio.min()), report.tol):
-                    return False
-                ks.append(float(ratio.mean()) * len(rank))
-        if not ks or not all(_close(k, ks[0], report.tol) for k in ks):
-            return False
-    return True
-
-
-def _budget_clause(report: Report) -> str | None:
-    """Under a token budget, each rank's tokens k / A_r times their one-process weight: a division by A_r."""
-    within = [r for r in report.results if "budget" in r.axes]
-    if not within or max(r.change for r in within) <= report.tol or not _per_rank_accum(report):
-        return None
-    counts = [n for r in within for n in r.layout.microbatch_counts]
-    return (f"{BUDGET_LEAD} (ranks hold {min(counts)} to {max(counts)} microbatches) every token of rank r weighs "
-            f"1/A_r times its weight in one process, skewed by up to {max(r.change for r in within):.1%}: your loss "
-            f"or loop divides by this rank's number of microbatches A_r, which a token budget makes differ by rank; "
-            f"divide by the global counts alone")
-
-
-def _clause(report: Report, axis: str) -> str | None:
-    if axis == "budget":
-        return _budget_clause(report)
-    if not skewed_only_by(report, axis):
-        return None
-    mode = _mode_without(report, axis)
-    within = [r for r in report.results if axis in r.axes]
-    worst = max(r.change for r in within)
-    like = (f"a constant denominator C = {report.constant:.6g}" if mode == "constant" else f"gradnorm's `{mode}`")
-    where = f", where it equals {like}" if mode else ""
-    layout = within[0].layout
-    K, P, conv = layout.context_parallel, layout.pipeline_microbatches, report.convention
-    reason = None
-    c = _common_factor(report, axis, mode) if mode else None
-    if axis == "pack":
-        lead, skew = "invariant on unpacked rows", "on rows packed back to back"
-        if _uniform_units(report, axis):
-            reason = ("every token of a packed row gets the same weight: your loss averages each row as if it were "
-                      "one sequence (a per-row mean over packs); divide each token by its own sequence's length "
-                      "(ask for sequence_ids and sequence_tokens)")
-    elif axis == "cp":
-        lead, skew = "invariant without context parallelism", f"when each row is split over {K} ranks"
-        if c is not None and _close(c, K, report.tol):
-            reason = (f"every weight is K = {K} times too large: are gradients summed over each context-parallel "
-                      "group? then audit with --cp-reduction sum" if conv.cp_reduction == "mean" else
-                      f"every weight is K = {K} times too large: your loss multiplies by K, which a sum over the "
-                      "group does not need")
-        elif c is not None and _close(c, 1 / K, report.tol):
-            reason = (f"every weight is divided by K = {K}: the mean over dp x cp ranks divides by W*K, and your "
-                      "loss undoes only W; multiply by context_parallel")
-        elif _uniform_units(report, axis):
-            reason = ("every token of a rank's chunk gets the same weight, set by the chunk's own token count (a "
-                      "per-chunk mean); divide the chunk's token sum by the global count num_tokens")
-    else:
-        lead = "invariant without a pipeline"
-        skew = f"under a pipeline schedule of {P} microbatches combined by {conv.pipeline_combine}"
-        if c is not None and _close(c, 1 / P, report.tol):
-            reason = (f"the schedule's mean divides every weight by P = {P}: multiply by pipeline_microbatches, or "
-                      "audit with --pipeline-combine sum if your schedule sums")
-        elif c is not None and _close(c, P, report.tol):
-            reason = (f"every weight is P = {P} times too large: does your schedule average its microbatches' "
-                      "losses? then audit with --pipeline-combine mean")
-        elif _uniform_units(report, axis):
-            reason = ("every token of a pipeline microbatch gets the same weight, set by its own token count (a "
-                      "per-microbatch mean); divide by the global count num_tokens instead")
-    text = f"{lead}{where}; skewed by up to {worst:.1%} {skew}"
-    return f"{text}: {reason}" if reason else text
+def skew_clause(report: Report, skew: Skew) -> str:
+    """One axis's clause: invariant without it, skewed by how much under it, and why when the cause is known."""
+    if skew.axis == "budget":
+        return (f"{BUDGET_LEAD} (ranks hold {skew.size} to {skew.most} microbatches) every token of rank r weighs "
+                f"1/A_r times its weight in one process, skewed by up to {skew.change:.1%}: your loss or loop "
+                f"divides by this rank's number of microbatches A_r, which a token budget makes differ by rank; "
+                f"divide by the global counts alone")
+    where = f", where it equals {_like(report, skew.mode)}" if skew.mode else ""
+    if skew.axis == "counts":
+        unit = "pairs" if report.objective.unit == "pair" else "sequences"
+        return (f"invariant whenever every microbatch holds the same number of {unit}{where}; skewed by up to "
+                f"{percent(skew.change, report.tol)} when they do not (under {', '.join(skew.where)})"
+                + (f"; if your trainer's microbatches hold a fixed number of {unit}, audit with --sharding "
+                   f"{' '.join(skew.even)}{' and no --microbatch-tokens' if skew.budget else ''}" if skew.even else ""))
+    lead, under = AXIS_WORDS[skew.axis](skew, report.convention)
+    text = f"{lead}{where}; skewed by up to {skew.change:.1%} {under}"
+    return f"{text}: {CAUSES[skew.axis, skew.cause](skew)}" if skew.cause else text
 
 
 def axis_clauses(report: Report) -> list[str]:
     """One clause for each axis the loss is skewed by alone (none when it is skewed without any)."""
-    return [c for axis in ("budget", "pack", "cp", "pipeline") if (c := _clause(report, axis))]
+    return [skew_clause(report, s) for s in diagnose(report).skews if s.axis != "counts"]
 
 
 def masked_clause(m: MaskedFinding) -> str:
