@@ -172,7 +172,7 @@ def poison_a_tensor(path: Path, payload) -> None:
 
 
 def bad_checkpoint(kind, directory: Path, good: Path, target: Path) -> None:
-    path = directory / "ckpt_step9"
+    path = directory / "ckpt_step2"  # good's own step: a checkpoint under another step's name is refused as such
     if kind != "missing":
         shutil.copytree(good, path)
     if kind == "truncated":
@@ -246,11 +246,12 @@ def test_control_an_untouched_checksummed_checkpoint_resumes(tmp_path, good_chec
     assert sorted(p.name for p in good_checkpoint.glob("*.sha256")) == sorted(
         [p.name + ".sha256" for p in good_checkpoint.glob("*.distcp")] + [".metadata.sha256", "trainer_state.json.sha256"])
     assert run_main(out, "--steps", "3", "--resume") == 0
-    assert checksums.mismatch(out / "ckpt_step3" / "trainer_state.json") is None
+    assert checksums.verify_file(out / "ckpt_step3", "trainer_state.json") is None
+    assert sorted(p.name for p in (out / "ckpt_step3").glob("manifest.*")) == ["manifest.rank0.json"]
 
 
 def _verify_with_a_corrupt_second_file(ctx, directory):
-    return checksums.verify_shards(Path(directory), ctx.rank, ctx.world_size)
+    return checksums.verify(Path(directory), ctx.rank, ctx.world_size)
 
 
 @pytest.mark.launch
@@ -259,11 +260,13 @@ def test_ranks_split_the_checksums_and_all_refuse_with_the_same_words(tmp_path):
 
     for name in ("__0_0.distcp", "__1_0.distcp", "__2_0.distcp", ".metadata"):
         (tmp_path / name).write_bytes(name.encode() * 100)
-        checksums.write(tmp_path / name)
-    _overwrite_inside(tmp_path / "__1_0.distcp")  # checked by rank 1 of 2 (files 1, 3), not by rank 0 (0, 2)
+    for rank, names in enumerate([["__0_0.distcp", ".metadata"], ["__1_0.distcp"], ["__2_0.distcp"]]):
+        checksums.seal(tmp_path, rank, 3, 5, names)  # written by 3 ranks at step 5 (an unnamed directory)
+    # the files in order: .metadata, __0_0, __1_0, __2_0; rank 1 of 2 hashes files 1 and 3, rank 0 files 0 and 2
+    _overwrite_inside(tmp_path / "__2_0.distcp")  # checked by rank 1 alone
     says = spawn_gloo(_verify_with_a_corrupt_second_file, 2, str(tmp_path))
-    assert says == ["__1_0.distcp does not match the sha256 written with it"] * 2
-    checksums.write(tmp_path / "__1_0.distcp")  # the control: recomputed, every file matches
+    assert says == ["__2_0.distcp does not match the sha256 written with it"] * 2
+    checksums.write(tmp_path / "__2_0.distcp")  # the control: recomputed, every file matches
     assert spawn_gloo(_verify_with_a_corrupt_second_file, 2, str(tmp_path)) == [None, None]
 
 

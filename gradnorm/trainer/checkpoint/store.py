@@ -5,7 +5,8 @@ Layout of output-dir/ (the same for ``--parallel ddp``, ``fsdp`` and a plain pro
     ckpt_step{N}/              the state after optimizer step N, complete
         .metadata              DCP's index of the tensors (written last by the coordinator)
         *.sha256               each file's checksum, written with it, checked before it is read
-                               (``gradnorm.trainer.checkpoint.checksums``)
+        manifest.rank{r}.json  rank r's files with their sha256 and the step: what binds each file
+                               to this checkpoint (``gradnorm.trainer.checkpoint.checksums``)
         __{r}_0.distcp         rank r's part: its shards of the model and AdamW state under FSDP2
                                (under DDP DCP spreads the replicated tensors over the ranks), the
                                reference policy when --beta > 0, and rank r's RNG states
@@ -96,6 +97,7 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
     """Write ``state`` (named tensors, ``dist.state.training_state``), this rank's RNG states and
     ``run`` (JSON, written by rank 0) as ``ckpt_step{step}``. Every rank must call it."""
     final, tmp = checkpoint_dir(output_dir, step), Path(output_dir) / f".ckpt_step{step}.tmp"
+    world_size = comm.world_size()
     previous = latest_checkpoint(output_dir)
     state = {**state, "rng": {f"rank{rank}": rng_state()}}
 
@@ -104,18 +106,19 @@ def save(output_dir: str | Path, step: int, state: dict[str, Any], run: dict[str
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
 
-    def publish():  # rank 0: the counters, then the atomic rename
+    def publish():  # rank 0: the counters, its manifest, then the atomic rename
         if rank == 0:
             _write_synced(tmp / RUN_FILE, json.dumps(run, indent=2) + "\n")
-            checksums.write(tmp / RUN_FILE)
+            checksums.seal(tmp, 0, world_size, step, [*checksums.own_shards(tmp, 0), dist_state.METADATA_FILE, RUN_FILE])
             if final.exists():  # the same step saved again (a rerun): the new one replaces it
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(final.parent)
 
-    def write_shards():  # every rank its part, then the checksums of what it wrote
+    def write_shards():  # every rank its part, then the checksums of what it wrote (rank 0's at publish)
         dist_state.write(state, tmp)
-        checksums.write_shards(tmp, rank)
+        if rank != 0:
+            checksums.seal(tmp, rank, world_size, step, checksums.own_shards(tmp, rank))
 
     for phase in (fresh_tmp, write_shards, publish):
         error = None
@@ -164,13 +167,31 @@ def read_run_state(path: str | Path, required: tuple[str, ...]) -> dict[str, Any
         raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint (missing {RUN_FILE}); {ADVICE}") from None
     except (OSError, ValueError) as err:
         raise ValueError(f"checkpoint {path} is truncated or corrupt ({RUN_FILE}: {first_line(err)}); {ADVICE}") from None
-    if checksums.checked(path) and (why := checksums.mismatch(path / RUN_FILE)):
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({why}); {_advice(path)}")
+    if checksums.checked(path):
+        _check_name(path, checksums.recorded_step(path), checksums.MANIFEST.format(rank=0))
+        if why := checksums.verify_file(path, RUN_FILE):
+            raise ValueError(f"checkpoint {path} is truncated or corrupt ({why}); {_advice(path)}")
     missing = [k for k in required if not isinstance(run, dict) or k not in run]
     if missing:
         raise ValueError(f"checkpoint {path} is not a gradnorm trainer checkpoint ({RUN_FILE} lacks "
                          f"{', '.join(missing)}); {ADVICE}")
+    _check_name(path, run.get("step") if isinstance(run, dict) else None, RUN_FILE)  # a checkpoint before checksums too
     return run
+
+
+def _step_of(path: Path) -> int | None:
+    return int(m.group(1)) if (m := _NAME.match(path.name)) else None
+
+
+def _check_name(path: Path, step, where: str) -> None:
+    """A ValueError if the checkpoint's files say another step than its name (a directory renamed by
+    hand): resumed, it would continue from its own step and save over the checkpoints after it."""
+    named = _step_of(path)
+    if named is None or type(step) is not int or step == named:
+        return
+    raise ValueError(f"checkpoint {path} holds step {step} ({where}), not step {named} as its name says: renamed "
+                     f"by hand? Give it its name back (ckpt_step{step}) or delete it: resumed as it is, the run would "
+                     f"continue from step {step} and save over the checkpoints after it")
 
 
 def load(path: str | Path, state: dict[str, Any], rank: int) -> None:
@@ -209,8 +230,12 @@ def read_tensors(path: str | Path, name: str = "model") -> dict[str, torch.Tenso
 
 
 def _verify(path: Path, rank: int, world_size: int) -> None:
-    """Every file's checksum, split between the ranks (a checkpoint written before checksums: none)."""
-    if checksums.checked(path) and (why := checksums.verify_shards(path, rank, world_size)):
+    """Every file's checksum, split between the ranks, and the step the manifests bind the files to
+    against the directory's name (a checkpoint written before checksums: none of it)."""
+    if not checksums.checked(path):
+        return
+    _check_name(path, checksums.recorded_step(path), checksums.MANIFEST.format(rank=0))  # same files, every rank
+    if why := checksums.verify(path, rank, world_size):
         raise ValueError(f"checkpoint {path} is truncated or corrupt ({why}); {_advice(path)}")
 
 
