@@ -6,6 +6,10 @@
 - The command's child: a loss that leaves a thread running, closes stdout or raises GeneratorExit
   gets its verdict (or its own failure named); a SIGTERM ends the command with one line, exit 143,
   and the child with it.
+- Each verdict finding of issues 53-55 (SCALED for a whole-k scale, each rank by its own count,
+  SimPO's margin, one factor said once, only changed configurations named, what the percentage
+  and the distance are, float32's tolerance) against a loss written out longhand, with a control.
+- The decision is data (``diagnosis.diagnose``) and the verdict its words.
 """
 
 import functools
@@ -26,6 +30,7 @@ from gradnorm.audit import (
     composite_conventions,
     conventions,
     decide,
+    diagnosis,
     dpo_conventions,
     pastes,
     sft_conventions,
@@ -333,3 +338,24 @@ def test_a_tolerance_below_float32_s_rounding_is_flagged_and_float64_says_nothin
     tight = decide.audit(_in_float32(fn), (2,), (2,), tol=1e-7)
     assert "below the 16 a float32 loss's own rounding may read: raise --tol" in verdict.tolerance_line(tight)
     assert verdict.tolerance_line(decide.audit(fn, (2,), (2,))) is None  # the control: float64
+
+
+# --- the decision as data ------------------------------------------------------------------------------
+
+def test_the_diagnosis_is_data_the_words_only_say_it():
+    """A DPO pair mean per microbatch under a token budget: the counts skew, on the configurations that
+    changed, with `pair` matched where counts are equal and `local` everywhere; the verdict is its words."""
+    report = decide.audit(dpo_conventions.pair_mean_per_microbatch, objective="dpo", world_sizes=(4,),
+                          accum_steps=(2,), splits=Splits(microbatch_tokens=160), shardings=("interleave", "length"))
+    found = diagnosis.diagnose(report)
+    assert found.headline == "SKEWED" and found.match == diagnosis.Match("mode", "local")
+    (skew,) = found.skews
+    changed = tuple(r.label for r in report.results[1:] if not r.equal_counts and r.change > report.tol)
+    assert (skew.axis, skew.mode, skew.where, skew.even, skew.budget) == ("counts", "pair", changed,
+                                                                           ("interleave", "length"), True)
+    assert skew.change == report.change
+    assert verdict.verdict(report) == verdict.words(report, found)
+    # The control: the fix's diagnosis has no skew and matches `pair`.
+    fix = decide.audit(dpo_conventions.pair_sum_over_global_pairs, objective="dpo", world_sizes=(4,),
+                       accum_steps=(2,), splits=Splits(microbatch_tokens=160), shardings=("interleave", "length"))
+    assert diagnosis.diagnose(fix) == diagnosis.Diagnosis("INVARIANT", (), diagnosis.Match("mode", "pair"))
