@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -31,6 +32,20 @@ from matplotlib.container import BarContainer
 from gradnorm.teach.palette import MODE_COLORS, rank_color
 
 Plan = Sequence[Sequence[Sequence[int]]]  # plan[rank][microbatch] = the row indices it holds
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "trainers"  # the repository's build functions
+
+
+def example_build(spec: str) -> str:
+    """``"hf_trainer.py:build"`` -> the absolute ``file.py:function`` the trainer audit takes, from any folder.
+
+    A notebook runs in notebooks/, the command in the repository's root: the path is resolved here so
+    that both find the same file.
+    """
+    file, _, function = spec.partition(":")
+    path = EXAMPLES / file
+    if not path.is_file() or not function:
+        raise ValueError(f"{spec!r}: expected 'file.py:function' with a file in {EXAMPLES}")
+    return f"{path}:{function}"
 
 
 def _array(x, dtype=None) -> np.ndarray:

@@ -79,3 +79,12 @@ def test_plot_token_weights_draws_the_bars_it_computes():
     assert styles == ["-", ":"]
     assert "total weight (bar area) 3" in ax.get_title()
     plt.close(fig)
+
+
+def test_example_build_finds_the_repositorys_build_functions_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = trainers.example_build("hf_trainer.py:build_dropping")
+    file, function = spec.rsplit(":", 1)
+    assert function == "build_dropping" and "def build_dropping(" in open(file).read()
+    with pytest.raises(ValueError, match="expected 'file.py:function'"):
+        trainers.example_build("no_such_trainer.py:build")  # the control: a missing file is refused
