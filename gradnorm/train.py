@@ -107,25 +107,20 @@ import torch
 from gradnorm.cli import pipes
 from gradnorm.core.accumulate import no_sync
 from gradnorm.core.denominators import token_weights
-from gradnorm.core.errors import first_line
 from gradnorm.core.grpo import NUM_STATS, grpo_token_losses, stat_sums
 from gradnorm.core.sharding import Plan, passes
 from gradnorm.dist import comm, wrap
 from gradnorm.trainer import engine_rollout, scoring, start
 from gradnorm.trainer import step as steps  # `step` is the loop's counter
-from gradnorm.trainer.checkpoint import export, store
+from gradnorm.trainer.checkpoint import export
 from gradnorm.trainer.checkpoint.checkpointer import Checkpointer, RunState, saved_record
-from gradnorm.trainer.config import TrainConfig, parse_config
-from gradnorm.trainer.guards import failures, launch, memory, preemption, preflight
+from gradnorm.trainer.config import TrainConfig
+from gradnorm.trainer.guards import failures, launch, preemption
 from gradnorm.trainer.policy import build_policy
 from gradnorm.trainer.record import record
 from gradnorm.trainer.rollout import generate_rollout
-from gradnorm.trainer.rundir import history, lock, restart
 from gradnorm.trainer.rundir.runlog import RunLog
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on (e.g. too many non-finite steps in a row); main prints it in one line."""
+from gradnorm.trainer.session import Session
 
 
 def step_gradient(dp_model: torch.nn.Module, policy, batch: steps.Minibatch, plan: Plan, cfg: TrainConfig,
@@ -271,7 +266,7 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
             if stop and (step < cfg.steps or checkpointer.abandons(step, stop)):
                 raise preemption.Stopped(stop, step, saved)
             if run.in_a_row >= cfg.max_skipped_steps:
-                raise TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step "
+                raise failures.TrainingError(f"{run.in_a_row} steps in a row had a non-finite loss or gradient (last: step "
                                     f"{step}); the weights are unchanged since step {step - run.in_a_row}: lower --lr "
                                     "or check the reward, or raise --max-skipped-steps")
         if cfg.export_dir is not None:  # the trained Hugging Face policy, loadable with from_pretrained
@@ -279,79 +274,16 @@ def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check everything, lock the run directory, train; 0, or 2 for bad input and 1 for a failed run."""
-    rank, run_dir = launch.error_rank(), None
-    try:  # every rank checks the same flags, files and environment, before any model exists
-        rank, world_size = launch.launch_environment()
-        cfg = parse_config(argv, world_size, prog="gradnorm/train.py")
-        lock.settle(Path(cfg.output_dir), rank)  # a kill mid-move of a run: make it whole before anyone reads it
-        cfg = restart.resolve(cfg, world_size)
-        preflight.check_inputs(cfg)
-        lock.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite, rank)
-        ckpt_path = history.resume_point(cfg, world_size)
-        memory.check_fits(cfg, world_size, launch.device_of(cfg), sharing=launch.local_ranks())
-        if rank == 0:  # rank 0 alone writes output-dir
-            run_dir = lock.RunDir(cfg.output_dir)
-            run_dir.open(cfg.resume, cfg.overwrite)
-    except restart.Complete as done:  # --auto-resume of a finished run: a requeue has nothing to do
-        if rank == 0:
-            print(done, file=sys.stderr, flush=True)
-        return 0
-    except ValueError as err:
-        if run_dir is not None:
-            run_dir.close(succeeded=False)
-        failures.report_error(str(err), 0 if isinstance(err, launch.NoLauncher) else rank)
-        return 2
-    except OSError as err:  # output-dir takes no more files (a full disk) as the run's first ones are written
-        if run_dir is not None:
-            run_dir.close(succeeded=False)
-        failures.report_error(f"could not write {err.filename or cfg.output_dir} ({err.strerror or err}); nothing "
-                              "was trained: free space there, or choose another --output-dir", rank)
-        return 1
-    succeeded, run = False, RunState()  # the run's counters: main reports a failure at run.in_flight
-    try:
-        torch.set_num_threads(cfg.cpu_threads)
-        try:
-            ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
-                             device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
-        except (RuntimeError, ValueError) as err:  # the rendezvous failed (address, port, a peer that never came)
-            failures.report_error(f"could not join the process group ({first_line(err)})", rank)
-            return 1
-        try:
-            train(cfg, ctx, ckpt_path, run)
-            succeeded = True
-        except failures.InputError as err:  # bad input that needed the model to be seen: like preflight's
-            failures.report_error(str(err), ctx.rank)
-            return 2
-        except (ValueError, TrainingError, store.CheckpointError, torch.OutOfMemoryError, MemoryError, OSError) as err:
-            # bad checkpoint, full disk, bad reward, non-finite logits, NaN after NaN, out of memory: one line
-            step = None if isinstance(err, TrainingError) else run.in_flight  # a TrainingError names its step
-            message = failures.explain(err, ctx.device, step)
-            comm.post_error(message)  # ranks waiting for this one in a collective learn it now, not after --timeout-s
-            failures.report_error(message, ctx.rank)
-            return 1
-        except RuntimeError as err:  # a collective failed: a peer failed (and said why), died, or hangs
-            if failures.out_of_memory(err):  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
-                message = failures.explain(err, ctx.device, run.in_flight)
-                comm.post_error(message)
-                failures.report_error(message, ctx.rank)
-                return 1
-            if not comm.is_collective_failure(err):
-                raise
-            step = run.in_flight
-            failures.report_error(failures.peer_failure(comm.posted_errors(ctx.world_size), err, ctx.rank,
-                                                        ctx.world_size, cfg.timeout_s, step), ctx.rank)
-            return 1
-        except preemption.Stopped as stopped:  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
-            if ctx.is_main:
-                print(stopped, file=sys.stderr, flush=True)
-            return stopped.exit_code
-        finally:
-            comm.teardown()
-    finally:
-        if run_dir is not None:
-            run_dir.close(succeeded)
-    return 0
+    """Read the config, check it, train: 0, or 2 for bad input and 1 for a failed run.
+
+    The session holds rank 0's lock on output-dir, the process group and the failure ladder: each
+    kind of failure is reported once there, in one line, with its exit code (``trainer.session``).
+    """
+    with Session() as session:
+        cfg = session.read_config(argv)
+        cfg, ckpt_path = session.check(cfg)  # every rank the same checks, before any model exists
+        train(cfg, session.join(cfg), ckpt_path, session.run)
+    return session.exit_code
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ class InputError(ValueError):
     hold, a model that cannot take packed rows): reported like a preflight error, exit code 2."""
 
 
+class TrainingError(RuntimeError):
+    """A run that cannot go on (e.g. too many non-finite steps in a row); reported in one line, exit code 1."""
+
+
 def report_error(message: str, rank: int) -> None:
     """Print ``error: message`` on stderr, rank 0 first.
 
