@@ -2,6 +2,8 @@
 
 - ``hf_trainer``  transformers' ``Trainer``: ``compute_loss_func=global_token_loss`` weighs every label
                   token by the step's global label count, whatever the model does with the loss kwargs
+- ``trl_grpo``    TRL's ``GRPOTrainer``: ``GlobalTokenGRPOTrainer`` divides its counted losses (`dapo`) by the
+                  optimizer step's token count, not the generation batch's rescaled
 - ``accelerate_loop``  a plain accelerate loop: ``step_label_count`` (the one all-reduce) and
                   ``token_sum_loss`` (x W for DDP's mean, x A for ``accelerator.backward``'s 1/A)
 

@@ -7,7 +7,8 @@ the weights written out longhand:
 - DPOTrainer: every pair 1/P, every token of a pair its pair's weight (bf16 off: see the builds);
 - GRPOTrainer: `dapo` the token mean 1/N and `grpo` the sequence mean 1/(S*|o_i|), each on its own
   sampled batch; `dapo` with steps_per_generation = 2 * A a token mean times a per-step factor
-  (its count spans the generation batch: TRL #5619), the control that must fail.
+  (its count spans the generation batch: TRL #5619), the control that must fail, and the same with
+  ``gradnorm.integrations.trl_grpo.GlobalTokenGRPOTrainer``: the token mean 1/N again.
 
 Marked ``trl``: ``make test-trainers`` runs them (CI does, after ``make test``); ``make test`` leaves
 them out to stay inside its time.
@@ -63,7 +64,8 @@ def test_dpo_trainer_weighs_every_pair_one_over_p():
         torch.testing.assert_close(weights, torch.full_like(weights, 1 / P), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("build, mode", [("trl_grpo.py:build_dapo", "token"), ("trl_grpo.py:build_grpo", "sequence")])
+@pytest.mark.parametrize("build, mode", [("trl_grpo.py:build_dapo", "token"), ("trl_grpo.py:build_grpo", "sequence"),
+                                         ("trl_grpo.py:build_dapo_two_steps_fixed", "token")])
 def test_grpo_trainer_equals_its_mode_on_every_run(build, mode):
     report = _audit(build, "grpo").report
     assert report.exit_code == 0 and report.reference_mode == mode
