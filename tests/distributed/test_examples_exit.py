@@ -21,12 +21,13 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"  # the console script a user
 
 @pytest.mark.launch
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["drop_in_ddp", "drop_in_sft", "drop_in_dpo"])
-def test_an_example_run_as_the_readme_shows_exits_0_with_its_line(example):
+@pytest.mark.parametrize("example, denominator", [("drop_in_ddp", "token"), ("drop_in_sft", "token"),
+                                                  ("drop_in_dpo", "pair")])  # each one's default --denominator
+def test_an_example_run_as_the_readme_shows_exits_0_with_its_line(example, denominator):
     readme = (ROOT / "README.md").read_text()
     assert f"examples/{example}.py" in readme
     proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", f"examples/{example}.py"], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.fullmatch(r"token: gradient norm \d+\.\d{6} on 2 ranks x 2 microbatches\n", proc.stdout), proc.stdout
+    assert re.fullmatch(rf"{denominator}: gradient norm \d+\.\d{{6}} on 2 ranks x 2 microbatches\n", proc.stdout), proc.stdout
     assert "terminate called" not in proc.stderr and "FAILED" not in proc.stderr
