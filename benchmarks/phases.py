@@ -11,7 +11,7 @@ warm-up) under torchrun with 1 and with 2 gloo ranks, in two configurations:
 - ``reuse + KL``: ``--beta 0.04 --minibatches-per-rollout 2``: every rollout feeds 2 updates, so
   the sampling policy's log-probs are scored once per rollout, and the reference's too.
 
-Every step logs its phase times (``gradnorm.trainer.rundir.phases.PhaseTimer``): rank 0's own
+Every step logs its phase times (``gradnorm.trainer.logs.phases.PhaseTimer``): rank 0's own
 (``time_<phase>_s``) and, for the phases whose work can differ between ranks, the slowest rank's
 (``time_<phase>_max_s``). Per phase the table gives seconds per optimizer step (the phase's total
 over the steps after the first rollout, divided by their number), for rank 0 and the slowest rank,
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gradnorm.teach.launch import torchrun_command  # noqa: E402
-from gradnorm.trainer.rundir.phases import MAX_PHASES, PHASES  # noqa: E402
+from gradnorm.trainer.logs.phases import MAX_PHASES, PHASES  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CONFIGS = {"default": [], "reuse + KL": ["--beta", "0.04", "--minibatches-per-rollout", "2"]}

@@ -67,7 +67,7 @@ from gradnorm.models.tinygpt import GPTConfig, TinyGPT, generate  # noqa: E402
 from gradnorm.tasks import builtin_task  # noqa: E402
 from gradnorm.teach.study import Interval, bootstrap_ci, paired_difference, steps_to_threshold  # noqa: E402
 from gradnorm.trainer.checkpoint.store import latest_checkpoint, read_tensors  # noqa: E402
-from gradnorm.trainer.rundir.curves import moving_average, read_metrics  # noqa: E402
+from gradnorm.trainer.logs.curves import moving_average, read_metrics  # noqa: E402
 from gradnorm.trainer.rollout import response_mask  # noqa: E402
 
 TRAIN = ROOT / "gradnorm" / "train.py"

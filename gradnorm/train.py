@@ -54,11 +54,11 @@ One optimizer step (S = prompts-per-step * group-size sequences, the same for ev
     separate from the normalization's count all-reduce. Then AdamW steps, or every rank skips a
     step whose loss or gradient is not finite.
  5. Log and checkpoint. A last tiny all-reduce (MAX of 3 floats) gives the slowest rank's phase
-    times: where a step's time goes (``gradnorm.trainer.rundir.phases.PhaseTimer``: time_rollout_s,
+    times: where a step's time goes (``gradnorm.trainer.logs.phases.PhaseTimer``: time_rollout_s,
     time_forward_backward_s, ...) is logged every step. After SIGTERM or SIGINT (to torchrun or to
     any one rank) every rank checkpoints at the end of the same step and exits with 143 or 130; a
     second signal exits at once (``gradnorm.trainer.guards.preemption``). The run log
-    (``rundir.runlog.RunLog``) owns the phase times, metrics.jsonl, the console and the loggers;
+    (``logs.runlog.RunLog``) owns the phase times, metrics.jsonl, the console and the loggers;
     the checkpointer (``checkpoint.checkpointer.Checkpointer``) decides when to save.
 
 Where this GRPO departs from the papers (DeepSeekMath's GRPO, DAPO, Dr GRPO):
@@ -119,7 +119,7 @@ from gradnorm.trainer.guards import failures, launch, preemption
 from gradnorm.trainer.policy import build_policy
 from gradnorm.trainer.record import record
 from gradnorm.trainer.rollout import generate_rollout
-from gradnorm.trainer.rundir.runlog import RunLog
+from gradnorm.trainer.logs.runlog import RunLog
 from gradnorm.trainer.session import Session
 
 

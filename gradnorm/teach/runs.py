@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gradnorm.trainer.rundir.curves import moving_average, read_metrics  # noqa: F401 (re-exported: notebook 03)
+from gradnorm.trainer.logs.curves import moving_average, read_metrics  # noqa: F401 (re-exported: notebook 03)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from gradnorm.teach.palette import MODE_COLORS, SHARD_STYLES
-from gradnorm.trainer.rundir.curves import moving_average
+from gradnorm.trainer.logs.curves import moving_average
 
 STUDY_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "study.json"
 """Where ``make study`` writes its results (notebook 03 reads them)."""

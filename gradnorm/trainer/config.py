@@ -7,7 +7,7 @@ The rules of the trainer's flags: what each numeric flag may hold, and what a --
 
 ``BOUNDS`` has one range per numeric field of ``gradnorm.trainer.config.TrainConfig`` (``validate``
 checks it and ``--help`` prints it); ``CHANGEABLE_ON_RESUME`` lists the flags that do not change a
-run's mathematics, which ``gradnorm.trainer.rundir.history.compare_resumed`` lets a ``--resume`` change.
+run's mathematics, which ``gradnorm.trainer.ownership.history.compare_resumed`` lets a ``--resume`` change.
 
 The dataclass and its CLI
 -------------------------
@@ -19,7 +19,7 @@ for every flag (``--grad-accum-steps`` is the field ``grad_accum_steps``). ``val
 value into a one-line ``ValueError`` before any model is built: every numeric field has one rule
 in ``BOUNDS`` (finite, in a documented range that ``--help`` prints), and ``CHANGEABLE_ON_RESUME``
 lists the flags a ``--resume`` may change; every other flag defines the run and must match the
-``config.json`` of the run it continues (``gradnorm.trainer.rundir.history.compare_resumed``).
+``config.json`` of the run it continues (``gradnorm.trainer.ownership.history.compare_resumed``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ BOUNDS: dict[str, Range] = {
     "engine_ratio_cap": Range(1.0, 1e6, open_low=True),  # rho is bounded to [1/cap, cap]: cap 1 keeps no token
 }
 REPORTERS = ("tensorboard", "wandb")
-"""What --report-to may name (gradnorm.trainer.rundir.reporters logs to them, gradnorm.trainer.guards.preflight checks them)."""
+"""What --report-to may name (gradnorm.trainer.logs.reporters logs to them, gradnorm.trainer.guards.preflight checks them)."""
 CONSTANT_DENOMINATOR = Range(1.0, 1e15)
 """The range of a numeric --loss-denominator C, which divides every token's loss."""
 

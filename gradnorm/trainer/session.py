@@ -33,7 +33,7 @@ from gradnorm.trainer.checkpoint import store
 from gradnorm.trainer.checkpoint.checkpointer import RunState
 from gradnorm.trainer.config import TrainConfig, parse_config
 from gradnorm.trainer.guards import failures, launch, memory, preemption, preflight
-from gradnorm.trainer.rundir import history, lock, restart
+from gradnorm.trainer.ownership import history, lock, restart
 
 
 class _NoProcessGroup(Exception):

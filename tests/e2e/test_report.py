@@ -33,7 +33,7 @@ from tests.helpers.trainer import tiny, torchrun_cmd
 
 from gradnorm.train import main
 from gradnorm.trainer.guards.launch import TORCHRUN_VARS
-from gradnorm.trainer.rundir.reporters import numeric
+from gradnorm.trainer.logs.reporters import numeric
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--warmup-steps", "2", "--eval-prompts", "4",
@@ -268,7 +268,7 @@ def test_a_torn_or_replaced_run_id_file_is_one_line_naming_it(kept, says, tmp_pa
     """Before, a corrupted wandb/run_id failed in wandb.init with "unset WANDB_MODE to log offline" (it was
     offline already), and a directory there was an IsADirectoryError."""
     from gradnorm.trainer.config import parse_config
-    from gradnorm.trainer.rundir.reporters import Reporters, read_run_id
+    from gradnorm.trainer.logs.reporters import Reporters, read_run_id
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     (tmp_path / "wandb").mkdir()

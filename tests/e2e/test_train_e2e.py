@@ -31,9 +31,9 @@ from tests.helpers.trainer import tiny, torchrun_cmd
 from torch.testing import assert_close
 
 from gradnorm.trainer.checkpoint import store
-from gradnorm.trainer.rundir.metrics import TIMING_KEYS
-from gradnorm.trainer.rundir.phases import MAX_PHASES, PHASES
-from gradnorm.trainer.rundir.phases import METRIC_KEYS as PHASE_KEYS
+from gradnorm.trainer.logs.metrics import TIMING_KEYS
+from gradnorm.trainer.logs.phases import MAX_PHASES, PHASES
+from gradnorm.trainer.logs.phases import METRIC_KEYS as PHASE_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -167,7 +167,7 @@ def test_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(runs):
 
 
 def test_two_ranks_log_every_phase_with_the_max_over_ranks(runs):
-    """The phase times of the 2-rank run (gradnorm.trainer.rundir): present, adding up, max over ranks >= rank 0's."""
+    """The phase times of the 2-rank run (gradnorm.trainer.logs.phases): present, adding up, max over ranks >= rank 0's."""
     _, base = runs
     config = json.loads((base / "full" / "config.json").read_text())
     # scoring runs only with rollout reuse or a reference; a phase that does not run is charged nothing

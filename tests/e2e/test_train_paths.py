@@ -44,7 +44,7 @@ from gradnorm.train import main
 from gradnorm.trainer.checkpoint import store
 from gradnorm.trainer.config import parse_config
 from gradnorm.trainer.policy import build_policy
-from gradnorm.trainer.rundir.metrics import TIMING_KEYS
+from gradnorm.trainer.logs.metrics import TIMING_KEYS
 from gradnorm.trainer.warmup import warm_up
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from pathlib import Path
 
 from torch.testing import assert_close
 
-from gradnorm.trainer.rundir.curves import read_metrics
-from gradnorm.trainer.rundir.metrics import TIMING_KEYS
+from gradnorm.trainer.logs.curves import read_metrics
+from gradnorm.trainer.logs.metrics import TIMING_KEYS
 
 
 def metrics(out: Path) -> list[dict]:

@@ -171,7 +171,7 @@ NOTEBOOK_FACING = sorted(
     name for name in MODULES
     if (part_of(name) in ("teach", "audit") or name.startswith("gradnorm.core.")) and name not in LAUNCHERS
     and name not in ("gradnorm.core.accumulate", "gradnorm.audit.__main__")
-) + ["gradnorm.trainer.rundir.curves"]
+) + ["gradnorm.trainer.logs.curves"]
 
 
 @pytest.mark.launch

@@ -1,6 +1,6 @@
 """``--auto-resume``: the same command line for the first start and every restart of a run.
 
-What must hold (gradnorm/trainer/rundir/restart.py):
+What must hold (gradnorm/trainer/ownership/restart.py):
 - in process: a fresh directory starts the run; the same command with more --steps continues it
   to the metrics of an uninterrupted run; the same command on a complete run exits 0 and touches
   nothing; this run's files from before its first checkpoint are started over; another run (a

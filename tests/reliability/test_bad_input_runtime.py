@@ -28,8 +28,8 @@ from gradnorm.trainer.checkpoint import checkpointer, store
 from gradnorm.trainer.checkpoint.checkpointer import RUN_FIELDS
 from gradnorm.trainer.config import CHANGEABLE_ON_RESUME, TrainConfig, field_docs, parse_config
 from gradnorm.trainer.guards import launch, memory
-from gradnorm.trainer.rundir.lock import RunDir
-from gradnorm.trainer.rundir.metrics import open_metrics, write_record
+from gradnorm.trainer.ownership.lock import RunDir
+from gradnorm.trainer.logs.metrics import open_metrics, write_record
 
 ROOT = Path(__file__).resolve().parents[2]
 # TINY without the supervised warm-up: the faults here are injected in the GRPO steps (or before them),
@@ -200,7 +200,7 @@ def test_resume_recreates_missing_metrics_and_records_what_changed(tmp_path, cap
 
 
 def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_path, monkeypatch):
-    from gradnorm.trainer.rundir.history import compare_resumed
+    from gradnorm.trainer.ownership.history import compare_resumed
 
     monkeypatch.chdir(ROOT)
     (tmp_path / "model").mkdir()
@@ -220,7 +220,7 @@ def test_resume_compares_files_by_what_they_resolve_to_and_numbers_by_value(tmp_
 
 
 def test_resume_refuses_a_prompts_file_regenerated_at_the_same_path(tmp_path):
-    from gradnorm.trainer.rundir.history import compare_resumed, read_config, write_config
+    from gradnorm.trainer.ownership.history import compare_resumed, read_config, write_config
 
     prompts, model = tmp_path / "p.jsonl", tmp_path / "model"
     prompts.write_text('{"prompt": "1+1?", "answer": "2"}\n')
@@ -238,7 +238,7 @@ def test_resume_refuses_a_prompts_file_regenerated_at_the_same_path(tmp_path):
 
 def test_a_local_run_resumes_only_on_its_own_number_of_ranks():
     # Under local W is part of the objective (weights 1 / (W A N[r, m])); a token run may change it.
-    from gradnorm.trainer.rundir.history import compare_resumed
+    from gradnorm.trainer.ownership.history import compare_resumed
 
     local = ["--loss-denominator", "local", "--resume"]
     old = {**parse_config(local).to_dict(), "world_size": 1}
@@ -509,7 +509,7 @@ def test_nothing_to_do_names_the_export_a_killed_end_of_run_export_left_unfinish
     """A run killed in its end-of-run export has every step done; --resume said only "raise --steps",
     never the command that writes the export from the last checkpoint."""
     from gradnorm.trainer.guards import outpaths
-    from gradnorm.trainer.rundir.history import resume_point, write_config
+    from gradnorm.trainer.ownership.history import resume_point, write_config
 
     prompts, model, run = tmp_path / "p.jsonl", tmp_path / "model", tmp_path / "run"
     prompts.write_text('{"prompt": "1+1?", "answer": "2"}\n')

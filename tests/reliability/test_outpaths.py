@@ -48,7 +48,7 @@ from gradnorm.train import main as train_main  # noqa: E402
 from gradnorm.trainer.checkpoint import store  # noqa: E402
 from gradnorm.trainer.config import parse_config  # noqa: E402
 from gradnorm.trainer.guards import launch, preflight
-from gradnorm.trainer.rundir.lock import PREVIOUS, RunDir  # noqa: E402
+from gradnorm.trainer.ownership.lock import PREVIOUS, RunDir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = str(ROOT / "examples" / "arithmetic.jsonl")

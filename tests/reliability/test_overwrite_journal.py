@@ -26,8 +26,8 @@ from tests.helpers.trainer import TINY, one_error_line
 
 from gradnorm.train import main
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
-from gradnorm.trainer.rundir import lock
-from gradnorm.trainer.rundir.lock import RunDir
+from gradnorm.trainer.ownership import lock
+from gradnorm.trainer.ownership.lock import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,7 +156,7 @@ def test_a_torn_journal_is_one_line_naming_the_way_out(journal, tmp_path):
 
 KILL_AT = """
 import os, signal, sys
-from gradnorm.trainer.rundir import lock
+from gradnorm.trainer.ownership import lock
 rename, done = lock._rename, [0]
 def counted(src, dst):
     rename(src, dst)

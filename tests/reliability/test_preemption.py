@@ -168,7 +168,7 @@ def test_ctrl_c_on_plain_python_checkpoints_and_exits_130_without_a_traceback(tm
 
 def test_a_stop_during_a_reused_rollout_waits_for_its_last_update(tmp_path, monkeypatch, capsys):
     """U = 2 updates per rollout: a checkpoint between them could not be resumed exactly (the rollout is not saved)."""
-    from gradnorm.trainer.rundir import metrics
+    from gradnorm.trainer.logs import metrics
 
     honest = metrics.write_record
 

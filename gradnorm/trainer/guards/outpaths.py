@@ -85,7 +85,7 @@ def _check_place(target: Path, run: Path | None, said: str) -> None:
     """Not inside a run (except as its ``final/``), nor inside an earlier export."""
     parent = target.parent
     if target.name == FINAL and (parent == run or run_signs(parent)):
-        return  # a run's own export; what lies above the run is the run's business (gradnorm.rundir)
+        return  # a run's own export; what lies above the run is the run's business (gradnorm.trainer.ownership)
     for above in target.parents:
         if above == run or run_signs(above):
             raise ValueError(f"{said} is inside the run directory {above}; the only export a run holds is "

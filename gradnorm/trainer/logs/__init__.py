@@ -1,4 +1,4 @@
-"""What owns the run directory and what is written into it: the lock and ``--overwrite`` (``lock``),
-config.json and ``--resume``'s checks (``history``), metrics.jsonl (``metrics``), the console (``console``),
-the loggers (``reporters``), the phase times (``phases``), the learning curve (``curves``), and
-``runlog.RunLog``, the one object the loop logs through."""
+"""What a run writes about itself, for people and tools to read: metrics.jsonl (``metrics``), the
+console (``console``), the loggers (``reporters``), the phase times (``phases``), the learning curve
+(``curves``), and ``runlog.RunLog``, the one object the loop logs through. Who owns the directory
+these land in is ``gradnorm.trainer.ownership``."""

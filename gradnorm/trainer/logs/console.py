@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.rundir.curves import read_metrics, write_learning_curve
+from gradnorm.trainer.logs.curves import read_metrics, write_learning_curve
 
 BAR_PHASES = ("rollout", "forward_backward", "optimizer")
-"""Phase times (``gradnorm.trainer.rundir.phases``) the progress bar shows beside the reward."""
+"""Phase times (``gradnorm.trainer.logs.phases``) the progress bar shows beside the reward."""
 
 
 def show(bar, record: dict, cfg: TrainConfig) -> None:

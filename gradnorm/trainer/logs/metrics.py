@@ -3,7 +3,7 @@
 ``open_metrics`` cuts a resumed run's file back to its checkpoint (torn or foreign lines dropped
 with a warning), ``write_record`` appends a line (``gradnorm.trainer.record`` builds it from global
 statistics, the same on every rank) and has the console show it, ``sync`` puts the file on disk
-before a checkpoint that covers its lines. What a person sees of it is ``gradnorm.trainer.rundir.console``."""
+before a checkpoint that covers its lines. What a person sees of it is ``gradnorm.trainer.logs.console``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.rundir import console
-from gradnorm.trainer.rundir.history import write_config
-from gradnorm.trainer.rundir.phases import METRIC_KEYS
+from gradnorm.trainer.logs import console
+from gradnorm.trainer.ownership.history import write_config
+from gradnorm.trainer.logs.phases import METRIC_KEYS
 
 TIMING_KEYS = ("tokens_per_second", "elapsed_s", "max_memory_gib", *METRIC_KEYS)
 """Measured metrics (wall time; CUDA memory): everything else in metrics.jsonl is a function of the config."""

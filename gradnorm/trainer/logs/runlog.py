@@ -5,7 +5,7 @@ The loop names its phases (``with log.phase("rollout"):``) and hands each step's
 (``log.step(...)``); the rest is here:
 
 - ``phase(name)`` charges the time since the previous phase ended to ``name``
-  (``gradnorm.trainer.rundir.phases``: nothing between two phases goes unaccounted);
+  (``gradnorm.trainer.logs.phases``: nothing between two phases goes unaccounted);
 - ``step(record, tokens)`` adds the step's timings (tokens per second, the run's clock, the phase
   times with their max over ranks: one tiny all-reduce, on every rank), then on rank 0 appends
   the line to metrics.jsonl, shows it and sends it to the loggers;
@@ -28,9 +28,9 @@ from tqdm import tqdm
 from gradnorm.dist import comm
 from gradnorm.trainer.checkpoint.checkpointer import RunState
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.rundir import console, metrics
-from gradnorm.trainer.rundir.phases import PhaseTimer
-from gradnorm.trainer.rundir.reporters import Reporters
+from gradnorm.trainer.logs import console, metrics
+from gradnorm.trainer.logs.phases import PhaseTimer
+from gradnorm.trainer.logs.reporters import Reporters
 
 
 class RunLog:

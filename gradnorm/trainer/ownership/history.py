@@ -18,7 +18,7 @@ from gradnorm.core.denominators import parse_denominator
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
 from gradnorm.trainer.config import TrainConfig, changeable_on_resume
 from gradnorm.trainer.guards import outpaths
-from gradnorm.trainer.rundir.lock import now
+from gradnorm.trainer.ownership.lock import now
 
 
 def read_config(out: Path) -> dict | None:

@@ -19,7 +19,7 @@ Rules (rank 0 alone writes; every rank takes the same read-only decisions):
   again, and says so. No start ever sees half a run.
 - ``.lock`` holds the owner's pid and host. A second run on the directory refuses; a lock whose
   pid is dead on this host is stale (a killed run) and is taken over with a warning.
-- --resume compares the flags that define the run with config.json (``gradnorm.trainer.rundir.history``);
+- --resume compares the flags that define the run with config.json (``gradnorm.trainer.ownership.history``);
   config.json keeps the latest values at the top level and every start in ``history``."""
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.rundir.history import compare_resumed, read_config
-from gradnorm.trainer.rundir.lock import PREVIOUS, run_records
+from gradnorm.trainer.ownership.history import compare_resumed, read_config
+from gradnorm.trainer.ownership.lock import PREVIOUS, run_records
 
 
 class Complete(Exception):

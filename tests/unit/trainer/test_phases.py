@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gradnorm.train import main
-from gradnorm.trainer.rundir import phases
-from gradnorm.trainer.rundir.metrics import TIMING_KEYS
+from gradnorm.trainer.logs import phases
+from gradnorm.trainer.logs.metrics import TIMING_KEYS
 
 
 class FakeClock:

@@ -1,6 +1,6 @@
 """The run directory with directory checkpoints: only a complete ``ckpt_step{N}/`` counts.
 
-gradnorm.trainer.rundir decides from what --output-dir holds whether an --overwrite's replacement has
+gradnorm.trainer.ownership decides from what --output-dir holds whether an --overwrite's replacement has
 reached a checkpoint, and so whether the old run set aside in previous_run/ may go. A save killed
 mid-write leaves a ``.ckpt_step{N}.tmp/`` that must not count; what a run left, checkpoint
 directories and torn ones included, is set aside and put back whole. A save that fails says how
@@ -18,12 +18,12 @@ from tests.helpers.runfiles import every_file
 from tests.helpers.trainer import TINY, one_error_line
 
 from gradnorm.train import main
-from gradnorm.trainer.rundir import lock
-from gradnorm.trainer.rundir.lock import RunDir
+from gradnorm.trainer.ownership import lock
+from gradnorm.trainer.ownership.lock import RunDir
 
 
 def checkpoint(run: Path, name: str) -> None:
-    """``run/name`` shaped like a checkpoint directory (rundir never reads what is inside)."""
+    """``run/name`` shaped like a checkpoint directory (ownership never reads what is inside)."""
     (run / name).mkdir(parents=True)
     (run / name / ".metadata").write_bytes(name.encode())
     (run / name / "__0_0.distcp").write_bytes(b"shard of " + name.encode())

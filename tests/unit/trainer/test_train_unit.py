@@ -24,7 +24,7 @@ from gradnorm.trainer.checkpoint import store
 from gradnorm.trainer.config import TrainConfig, build_parser, field_docs, parse_config
 from gradnorm.trainer.policy import TinyGPTPolicy
 from gradnorm.trainer.rollout import generate_rollout, response_mask, seeded_generator
-from gradnorm.trainer.rundir.curves import plot_learning_curve, write_learning_curve
+from gradnorm.trainer.logs.curves import plot_learning_curve, write_learning_curve
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
