@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.container import BarContainer
+from matplotlib.patches import Patch
 
 from gradnorm.teach.palette import MODE_COLORS, rank_color
 
@@ -138,7 +139,7 @@ def plot_token_weights(ax: Axes, weights, mask, plan: Plan, title: str, ymax: fl
     bars = token_bars(weights, mask, plan)
     drawn = ax.bar(bars.left, bars.height, width=bars.width, align="edge", linewidth=0,
                    color=[rank_color(int(r)) for r in bars.rank])
-    ax.axhline(1.0, color=MODE_COLORS["token"], lw=1.5, ls="--", label="1/N, the token mean")
+    mean = ax.axhline(1.0, color=MODE_COLORS["token"], lw=1.5, ls="--", label="1/N, the token mean")
     for k in range(1, len(bars.left)):
         if bars.rank[k] != bars.rank[k - 1]:
             ax.axvline(bars.left[k], color="black", lw=1.2)
@@ -149,5 +150,6 @@ def plot_token_weights(ax: Axes, weights, mask, plan: Plan, title: str, ymax: fl
     ax.set_xlabel("share of the step's counted tokens (rank by rank, microbatch by microbatch)")
     ax.set_ylabel("w × N (1 = the token mean)")
     ax.set_title(f"{title}\ntotal weight (bar area) {bars.area:.3g}", fontsize="medium")
-    ax.legend(loc="upper right", fontsize="small")
+    ranks = [Patch(color=rank_color(r), label=f"rank {r}") for r in sorted(set(bars.rank.tolist()))]
+    ax.legend(handles=[mean, *ranks], loc="upper right", fontsize="small")
     return drawn

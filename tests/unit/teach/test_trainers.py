@@ -78,6 +78,7 @@ def test_plot_token_weights_draws_the_bars_it_computes():
                     and line.get_xdata()[0] in (bars.left[4], bars.left[6]))
     assert styles == ["-", ":"]
     assert "total weight (bar area) 3" in ax.get_title()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["1/N, the token mean", "rank 0", "rank 1"]
     plt.close(fig)
 
 
