@@ -90,6 +90,7 @@ import contextlib
 import copy
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if __name__ == "__main__":  # Ctrl-C while torch imports: exit 130 quietly (preemption takes over in main)
@@ -116,15 +117,17 @@ from gradnorm.trainer.checkpoint import export
 from gradnorm.trainer.checkpoint.checkpointer import Checkpointer, RunState, saved_record
 from gradnorm.trainer.config import TrainConfig
 from gradnorm.trainer.guards import failures, launch, preemption
-from gradnorm.trainer.policy import build_policy
+from gradnorm.trainer.policy import Policy, build_policy
 from gradnorm.trainer.record import record
 from gradnorm.trainer.rollout import generate_rollout
 from gradnorm.trainer.logs.runlog import RunLog
 from gradnorm.trainer.session import Session
 
 
-def step_gradient(dp_model: torch.nn.Module, policy, batch: steps.Minibatch, plan: Plan, cfg: TrainConfig,
-                  ctx: comm.DistContext, autocast, phase=lambda name: contextlib.nullcontext()) -> torch.Tensor:
+def step_gradient(dp_model: torch.nn.Module, policy: Policy, batch: steps.Minibatch, plan: Plan, cfg: TrainConfig,
+                  ctx: comm.DistContext, autocast: Callable[[], contextlib.AbstractContextManager],
+                  phase: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
+                  ) -> torch.Tensor:
     """This rank's part of one step's gradient; returns its statistic sums (NUM_STATS,) float64.
 
     The fix, as examples/drop_in_ddp.py writes it for any loop: count, ONE all-reduce, then for
