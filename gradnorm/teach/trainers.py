@@ -124,7 +124,8 @@ def token_bars(weights, mask, plan: Plan) -> TokenBars:
         microbatch.append(np.full(len(kept), mb))
     height = np.concatenate(height)
     if len(height) != num_tokens:
-        raise ValueError(f"the plan holds {len(height)} counted tokens, the mask {num_tokens}: a row is missing or repeated")
+        raise ValueError(f"the plan holds {len(height)} counted tokens, the mask {num_tokens}: "
+                         "a row is missing or repeated")
     return TokenBars(np.arange(num_tokens) / num_tokens, 1.0 / num_tokens, height, np.concatenate(rank),
                      np.concatenate(microbatch))
 
