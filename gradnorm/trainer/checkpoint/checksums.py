@@ -135,8 +135,12 @@ def manifests(directory: Path) -> dict[int, dict] | str:
     """Every rank's manifest, by rank, checked against each other; or the first thing wrong with them."""
     found = {int(m.group(1)): directory / name for name in sorted(os.listdir(directory))
              if (m := _MANIFEST.match(name))}
+    if not found:  # deleted, or a checkpoint of a gradnorm that wrote sidecars but no manifests yet
+        return (f"{MANIFEST.format(rank=0)} is missing, the list of its files and their sha256; if a gradnorm "
+                "from before manifests wrote it, `sha256sum -c .metadata.sha256 *.sha256` in it and then deleting "
+                "its .sha256 files loads it unchecked")
     if 0 not in found:
-        return f"{MANIFEST.format(rank=0)} is missing (the list of the checkpoint's files and their sha256)"
+        return f"{MANIFEST.format(rank=0)} is missing (the list of rank 0's files and their sha256)"
     read = {}
     for rank, path in sorted(found.items()):
         manifest = _read_manifest(path)
