@@ -161,6 +161,22 @@ def test_idle_passes_add_exactly_nothing():
     assert not torch.equal(with_row0, alone)
 
 
+def test_the_trainers_passes_put_the_idle_ones_first_on_one_row_of_the_rank():
+    # the passes train.step_gradient runs: every rank passes(plan) times, idle ones first, each on
+    # the first row of the rank's first microbatch (a rank without rows: row 0), then its own in order
+    plan = [[torch.tensor([4, 1, 2])], [torch.tensor([0, 3]), torch.tensor([5]), torch.tensor([6, 7])], []]
+    assert [[rows.tolist() for rows, _ in step.rank_passes(plan, rank)] for rank in (0, 2)] == [
+        [[4], [4], [4, 1, 2]], [[0], [0], [0]]]  # written out for two of the ranks
+    for rank, mine in enumerate(plan):
+        got = step.rank_passes(plan, rank)
+        assert len(got) == passes(plan) == 3
+        idle = [rows.tolist() for rows, is_idle in got if is_idle]
+        filler = mine[0][:1].tolist() if mine else [0]
+        assert idle == [filler] * (3 - len(mine))
+        assert [rows.tolist() for rows, is_idle in got if not is_idle] == [mb.tolist() for mb in mine]
+        assert [is_idle for _, is_idle in got] == sorted((is_idle for _, is_idle in got), reverse=True)
+
+
 def test_the_logged_skew_against_a_longhand_computation():
     lengths = torch.tensor([2, 9, 3, 8, 1, 9, 4, 6])
     mask = torch.arange(9) < lengths[:, None]
