@@ -17,6 +17,7 @@ docs/audit.md ("Trainers measured"):
 Bad input ends in one ``error:`` line and exit 2.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,9 +100,10 @@ def test_per_rank_average_is_skewed(audits):
     torch.testing.assert_close(res.weights, expected, rtol=1e-6, atol=1e-12)
 
 
-def _audit(*args, timeout=240):
+def _audit(*args, timeout=240, tmpdir=None):
+    env = dict(os.environ, **({"TMPDIR": str(tmpdir)} if tmpdir else {}))
     return subprocess.run([sys.executable, "-m", "gradnorm.audit", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def test_unchanged_script_dropping_loss_kwargs_is_skewed():
@@ -117,18 +119,35 @@ def test_unchanged_script_dropping_loss_kwargs_is_skewed():
     ("no_trainer", "returned NoneType, not a trainer"),
     ("never_steps", "ended without an optimizer step"),
     ("raises", "failed on rank 0: RuntimeError: the build failed"),
+    ("hangs", "ran past --timeout 20 s and was stopped"),
 ])
 def test_bad_builds_are_one_line(tmp_path, build, message):
     (tmp_path / "builds.py").write_text(
+        "import time\n"
         "def no_trainer(model):\n    return None\n"
         "class Idle:\n    def train(self):\n        pass\n"
         "def never_steps(model):\n    return Idle()\n"
-        "def raises():\n    raise RuntimeError('the build failed')\n")
-    proc = _audit("--trainer", f"{tmp_path / 'builds.py'}:{build}", "--world-size", "1", "--accum-steps", "2")
+        "def raises():\n    raise RuntimeError('the build failed')\n"
+        "def hangs():\n    time.sleep(3600)\n")
+    temp = tmp_path / "tmp"  # the audit's TMPDIR: its temporary folder must be gone at the end
+    temp.mkdir()
+    proc = _audit("--trainer", f"{tmp_path / 'builds.py'}:{build}", "--world-size", "1", "--accum-steps", "2",
+                  "--timeout", "20", tmpdir=temp)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr
     assert "Traceback" not in proc.stderr
+    # the audit's folder is gone (torchinductor_<user> is torch's own cache, which importing the audit's package
+    # creates in any torch program, the loss audit's too: not a file of the trainer audit)
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []
+    assert {p.name for p in tmp_path.iterdir()} <= {"builds.py", "__pycache__", "tmp"}  # nothing beside the build
+
+
+def test_script_that_never_runs_the_probe_is_refused():
+    code = ("import sys, torch; p = torch.nn.Parameter(torch.ones(1)); o = torch.optim.SGD([p], 0.1); "
+            "p.sum().backward(); o.step()")
+    proc = _audit("--script", "--", sys.executable, "-c", code, "{model}")
+    assert proc.returncode == 2 and "never ran the probe model" in proc.stderr, proc.stderr
 
 
 def test_script_without_placeholder_is_refused():

@@ -52,19 +52,22 @@ class Configuration:
 
 def _env(out: Path, vocab_size: int, site: bool) -> dict[str, str]:
     env = dict(os.environ, GRADNORM_PROBE_OUT=str(out), GRADNORM_PROBE_VOCAB=str(vocab_size), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
+               # caches a trainer's imports write (datasets', torch's compiler's) stay in the audit's folder
+               HF_DATASETS_CACHE=str(out / "cache" / "datasets"), TORCHINDUCTOR_CACHE_DIR=str(out / "cache" / "inductor"),
+               TRITON_CACHE_DIR=str(out / "cache" / "triton"))
     if site:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH", "")) if p)
     return env
 
 
-def _run(argv: list[str], env: dict, out: Path, timeout: float, what: str) -> None:
-    """Run ``argv`` in its own process group; on a timeout kill the whole group."""
+def _run(argv: list[str], env: dict, out: Path, timeout: float, what: str, cwd: Path | None = None) -> None:
+    """Run ``argv`` in its own process group (in ``cwd``); on a timeout kill the whole group."""
     log = out / "output.log"
     out.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as sink:
         proc = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, cwd=cwd)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -101,7 +104,14 @@ def records(out: Path, what: str) -> list[dict]:
 
 def run_build(build: str, config: Configuration, model_path: Path, data_path: Path, vocab_size: int, out: Path,
               timeout: float) -> list[dict]:
-    """Train the trainer ``build`` returns under ``config``; the ranks' records."""
+    """Train the trainer ``build`` returns under ``config``; the ranks' records.
+
+    The launch runs in ``out``, so that whatever the trainer writes to its working directory stays in
+    the audit's folder; a build named by a relative file path is made absolute first.
+    """
+    where, sep, name = build.rpartition(":")
+    if sep and (where.endswith(".py") or "/" in where) and Path(where).is_file():
+        build = f"{Path(where).resolve()}:{name}"
     spec = {"build": build, "model_path": str(model_path), "data_path": str(data_path),
             "output_dir": str(out / "trainer"), "world_size": config.world_size, "accum_steps": config.accum_steps,
             "per_device_batch": config.per_device_batch}
@@ -114,7 +124,9 @@ def run_build(build: str, config: Configuration, model_path: Path, data_path: Pa
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.world_size}",
                 *worker]
     what = f"the trainer of {build} under {config.title}"
-    _run(argv, _env(out, vocab_size, site=False), out, timeout, what)
+    env = _env(out, vocab_size, site=False)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)  # module:function
+    _run(argv, env, out, timeout, what, cwd=out)
     return records(out, what)
 
 
