@@ -53,6 +53,9 @@ class Convention:
     """How gradients combine over the K ranks of a context-parallel group: "mean" or "sum"."""
     pipeline_combine: str = "sum"
     """How a pipeline schedule combines its P microbatches' losses: "sum" or "mean" (x 1/P)."""
+    measured: bool = False
+    """The loop was not declared but run: a real trainer's, read by the trainer audit. Its verdict speaks
+    of the trainer and offers no flag to declare another loop."""
 
     @property
     def loop(self) -> Loop:

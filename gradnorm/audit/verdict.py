@@ -60,13 +60,14 @@ def _why(p: int, q: int, convention: Convention) -> list[str]:
     if p > 0:
         says.append(("has a factor W too many" if p == 1 else f"has a factor W^{p} too many")
                     + (" (are gradients summed over ranks? then audit with --reduction sum)"
-                       if convention.reduction == "mean" else ""))
+                       if convention.reduction == "mean" and not convention.measured else ""))
     if q < 0:
         says.append(("divides by A once too often" if q == -1 else "divides by A twice too often")
                     + (" (counting the loop's division by A)" if convention.scale_by_accum else ""))
     if q > 0:
         says.append(("is missing a division by A" if q == 1 else "is missing two divisions by A")
-                    + ("" if convention.scale_by_accum else " (if your loop divides by A, audit with --scale-by-accum)"))
+                    + ("" if convention.scale_by_accum or convention.measured
+                       else " (if your loop divides by A, audit with --scale-by-accum)"))
     return says
 
 
@@ -210,7 +211,7 @@ def _near(report: Report, match: Match) -> str:
     near, hint = match.near, ""
     if report.objective.name == "dpo" and near.powers == ((0, 0),) and not report.term:
         hint = f" ({pair_factor_reading(near.scale, report.point.beta)})"
-    subject = "the term" if report.term else "your loss"
+    subject = "the term" if report.term else "the trainer" if report.convention.measured else "your loss"
     return f"equals {_like(report, near.mode)} {explain_factor(near, report.convention, report.tol, subject)}{hint}"
 
 
@@ -251,8 +252,9 @@ def _sameness(report: Report) -> str:
 
 def _minibatch_line(report: Report) -> str:
     """What the synthetic minibatch holds, in the objective's units, and the loop around the loss."""
-    b, conv, point = report.batch, report.convention, report.point
-    lengths = b.response.sum(-1)
+    conv, point = report.convention, report.point
+    if conv.measured:
+        return f"minibatch: {_held(report)}; the trainer's own loop, run on real ranks and read where its optimizer steps"
     if point.step:
         loop = "backward by your step, scaled as it scales"
     else:
@@ -262,6 +264,13 @@ def _minibatch_line(report: Report) -> str:
         loop += f", context-parallel gradients {conv.cp_reduction}-reduced over each group"
     if "pipeline" in axes:
         loop += f", pipeline losses combined by {conv.pipeline_combine}"
+    return f"minibatch: {_held(report)}; {loop}, gradients {conv.reduction}-reduced over ranks"
+
+
+def _held(report: Report) -> str:
+    """What the minibatch holds, in the objective's units."""
+    b, point = report.batch, report.point
+    lengths = b.response.sum(-1)
     span = f"{int(lengths.min())} to {int(lengths.max())} tokens (N = {int(b.mask.sum())})"
     if report.objective.name == "dpo":
         held = (f"{len(lengths) // 2} preference pairs, chosen and rejected responses of {span}, read at "
@@ -270,7 +279,7 @@ def _minibatch_line(report: Report) -> str:
         held = f"{len(lengths)} sequences of {span.replace('tokens', 'label tokens', 1)}"
     else:
         held = f"{len(lengths)} responses in {b.num_groups} groups of {b.group_size}, {span}"
-    return f"minibatch: {held}; {loop}, gradients {conv.reduction}-reduced over ranks"
+    return held
 
 
 def format_report(report: Report) -> str:

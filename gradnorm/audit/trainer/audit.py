@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from gradnorm.audit.decide import Report, decide
-from gradnorm.audit.measurement import Result
+from gradnorm.audit.measurement import Convention, Result
 from gradnorm.audit.objectives import DEFAULT_BETA, get, mode_weights, slopes
 from gradnorm.audit.synthetic import SyntheticBatch
 from gradnorm.audit.trainer.data import ProbeData, dpo_data, grpo_prompts, sft_data
@@ -125,7 +125,8 @@ def _report(name: str, probe: Probe, runs: list[tuple[str, Readout]], beta: floa
     objective = probe.data.objective
     batch = _batch(probe.data, runs[0][1].mask)
     results = ([reference] if reference else []) + [_result(label, r, batch, objective, beta) for label, r in runs]
-    report = decide(name, batch, results, objective=objective, tol=TOLERANCE, beta=beta)
+    report = decide(name, batch, results, objective=objective, tol=TOLERANCE, beta=beta,
+                    convention=Convention(measured=True))
     return TrainerReport(report, max(r.stray for _, r in runs), [label for label, r in runs if not r.ranks_agree])
 
 
