@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
@@ -89,11 +90,18 @@ def next_token_probs(vocab_size: int, generating: bool):
     return torch.softmax(column_logits(vocab_size, generating), 0)
 
 
+_IMPORTING = threading.Lock()
+"""transformers resolves its names lazily, and two threads resolving them at once can fail ("cannot
+import name 'LlamaConfig'"): audits run side by side in threads (notebook 07) import under this lock."""
+
+
 def write_probe(directory: str | Path, vocab_size: int, generating: bool = False) -> Path:
     """Write the probe (model and tokenizer) to ``directory``, loadable with ``from_pretrained``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging
+
+    with _IMPORTING:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging
 
     logging.disable_progress_bar()  # "Writing model shards" says nothing to an audit's reader
 
@@ -120,10 +128,11 @@ def write_probe(directory: str | Path, vocab_size: int, generating: bool = False
 
 def _tokenizer(vocab_size: int):
     """A word-level tokenizer: ``t<id>`` is id ``id``, words are split on whitespace, nothing is added."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
+    with _IMPORTING:
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+        from tokenizers.pre_tokenizers import WhitespaceSplit
+        from transformers import PreTrainedTokenizerFast
 
     vocab = {token_text(i): i for i in range(vocab_size - 1)} | {"<sink>": sink(vocab_size)}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
