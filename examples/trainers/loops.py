@@ -3,12 +3,13 @@
     python -m gradnorm.audit --trainer examples/trainers/loops.py:accelerate_model_loss   # SKEWED: local
     python -m gradnorm.audit --trainer examples/trainers/loops.py:accelerate_fixed        # INVARIANT: token
     python -m gradnorm.audit --trainer examples/trainers/loops.py:drop_in_sft             # INVARIANT: token
+    python -m gradnorm.audit --trainer examples/trainers/loops.py:drop_in_dpo --objective dpo  # INVARIANT: pair
 
 A build returns an object whose ``train()`` runs one epoch over the probe's texts:
 ``accelerate_model_loss`` is the model's own loss under ``accelerator.accumulate`` (a microbatch's
 label mean, divided by A by ``accelerator.backward``); ``accelerate_fixed`` the same loop with
-``gradnorm.integrations.accelerate_loop``; ``drop_in_sft`` a plain DDP loop around
-``examples/drop_in_sft.py``'s ``accumulate``, unchanged.
+``gradnorm.integrations.accelerate_loop``; ``drop_in_sft`` and ``drop_in_dpo`` plain DDP loops
+around ``examples/drop_in_sft.py``'s and ``examples/drop_in_dpo.py``'s ``accumulate``, unchanged.
 """
 
 import contextlib
@@ -70,18 +71,22 @@ def accelerate_fixed(model, tokenizer, train_dataset, *, accum_steps, per_device
     return _Accelerate(model, tokenizer, train_dataset, accum_steps, per_device_batch, fixed=True)
 
 
+def _process_group():
+    """gloo under torchrun; one process: a group of one, so the drop-in's all-reduce runs as written."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 class _DropIn:
-    """examples/drop_in_sft.py's accumulate in a DDP loop over the probe's texts (gloo; one process: a group of 1)."""
+    """examples/drop_in_sft.py's accumulate in a DDP loop over the probe's texts."""
 
     def __init__(self, model, tokenizer, train_dataset, accum_steps, per_device_batch):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            if "RANK" in os.environ:
-                dist.init_process_group("gloo")
-            else:
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        _process_group()
         self.model, self.accum_steps = model, accum_steps
         sampler = torch.utils.data.distributed.DistributedSampler(train_dataset, shuffle=False)
         self.loader = _loader(tokenizer, train_dataset, per_device_batch, sampler=sampler)
@@ -108,3 +113,56 @@ class _DropIn:
 
 def drop_in_sft(model, tokenizer, train_dataset, *, accum_steps, per_device_batch):
     return _DropIn(model, tokenizer, train_dataset, accum_steps, per_device_batch)
+
+
+class _DropInDPO:
+    """examples/drop_in_dpo.py's accumulate in a DDP loop over the probe's pairs, against a frozen copy as reference."""
+
+    def __init__(self, model, tokenizer, train_dataset, accum_steps, per_device_batch):
+        import copy
+
+        _process_group()
+        self.model, self.ref = model, copy.deepcopy(model).eval()
+        self.accum_steps, self.tokenizer = accum_steps, tokenizer
+        sampler = torch.utils.data.distributed.DistributedSampler(train_dataset, shuffle=False)
+        self.loader = DataLoader(train_dataset, batch_size=per_device_batch, sampler=sampler, collate_fn=self._pairs)
+
+    def _pairs(self, records):
+        """The drop-in's microbatch: prompt + response ids per side, padded, masks over the response's labels."""
+        def ids(text):
+            return self.tokenizer(text)["input_ids"]
+
+        sides = {side: [ids(r["prompt"]) + ids(r[side]) for r in records] for side in ("chosen", "rejected")}
+        width = max(len(t) for rows in sides.values() for t in rows)
+        batch = {}
+        for side, rows in sides.items():
+            tokens = torch.full((len(rows), width), self.tokenizer.pad_token_id)
+            mask = torch.zeros(len(rows), width - 1, dtype=torch.bool)  # label t is token t + 1
+            for i, (r, row) in enumerate(zip(records, rows)):
+                tokens[i, : len(row)] = torch.tensor(row)
+                mask[i, len(ids(r["prompt"])) - 1: len(row) - 1] = True
+            batch[side], batch[f"{side}_mask"] = tokens, mask
+        return batch
+
+    def train(self):
+        from drop_in_dpo import accumulate
+
+        ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+
+        def ddp_logits(inputs):  # the drop-in calls model(tokens) for logits, and model.no_sync()
+            return ddp(input_ids=inputs).logits
+
+        def ref_logits(inputs):
+            return self.ref(input_ids=inputs).logits
+
+        ddp_logits.no_sync = ddp.no_sync
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        batches = list(self.loader)
+        for start in range(0, len(batches), self.accum_steps):
+            accumulate(ddp_logits, ref_logits, batches[start:start + self.accum_steps])
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def drop_in_dpo(model, tokenizer, train_dataset, *, accum_steps, per_device_batch):
+    return _DropInDPO(model, tokenizer, train_dataset, accum_steps, per_device_batch)

@@ -6,7 +6,8 @@ the weights written out longhand:
 - accelerate's finetune pattern (the model's own loss under ``accelerator.accumulate``):
   1/(W*A*N[r,m]), the `local` mode, SKEWED: the control;
 - the same loop with ``gradnorm.integrations.accelerate_loop``: 1/N;
-- ``examples/drop_in_sft.py``'s ``accumulate`` in a DDP loop, unchanged: 1/N.
+- ``examples/drop_in_sft.py``'s ``accumulate`` in a DDP loop, unchanged: 1/N;
+- ``examples/drop_in_dpo.py``'s ``accumulate`` likewise: 1/P on every token of a pair.
 """
 
 from pathlib import Path
@@ -21,8 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.launch]
 LOOPS = Path(__file__).resolve().parents[2] / "examples" / "trainers" / "loops.py"
 
 
-def _audit(build: str):
-    return audit_trainer(f"{LOOPS}:{build}", world_sizes=(2,), accum_steps=(2,)).report
+def _audit(build: str, objective: str = "sft"):
+    return audit_trainer(f"{LOOPS}:{build}", objective, world_sizes=(2,), accum_steps=(2,)).report
 
 
 @pytest.mark.parametrize("build", ["accelerate_fixed", "drop_in_sft"])
@@ -43,3 +44,12 @@ def test_accelerate_model_loss_is_local_and_skewed():
     torch.testing.assert_close(res.weights, expected, rtol=1e-5, atol=1e-12)
     weights = res.weights[report.batch.mask]  # not the global mean the fixed loop gives
     assert float(weights.max() / weights.min()) > 1.1
+
+
+def test_dpo_drop_in_weighs_every_pair_one_over_p():
+    report = _audit("drop_in_dpo", "dpo")
+    assert report.exit_code == 0 and report.equals == "pair"
+    P = report.batch.mask.shape[0] // 2
+    for res in report.results:
+        weights = res.weights[report.batch.mask]
+        torch.testing.assert_close(weights, torch.full_like(weights, 1 / P), rtol=1e-5, atol=0)
