@@ -189,6 +189,31 @@ def fit_modes(run: GeneratedRun) -> dict[str, ModeFit]:
 INVARIANT_MODES = ("token", "sequence", "group")
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the runs say together, before any words.
+
+    ``shape``: the invariant mode every run matches up to one uniform factor per run (None if some
+    run matches none); ``law``: how those factors go: "exact" (all 1), "advantages" (all the same
+    f: the trainer scales its advantages otherwise than the probe assumes, the same on every split),
+    "constant" (`token`'s shape with f / N the same in every run: a constant denominator C = N / f),
+    "varies" (a step weighs a different multiple of the mode in each run: skewed).
+    """
+
+    shape: str | None
+    law: str | None
+    factors: tuple[float, ...]
+    constant: float | None = None
+
+    @property
+    def invariant(self) -> bool:
+        return self.shape is not None and self.law in ("exact", "advantages", "constant")
+
+
+def _same(values, tol: float) -> bool:
+    return max(values) - min(values) <= tol * max(abs(v) for v in values)
+
+
 @dataclass
 class GeneratedReport:
     """The trainer audit of a GRPO trainer: each run against the modes on its own batch, and the verdict."""
@@ -216,40 +241,61 @@ class GeneratedReport:
 
     @property
     def reference_mode(self) -> str | None:
-        return self.equals(self.runs[0])
+        return self.equals(self.runs[0]) or self.shaped(self.runs[0])
+
+    def decision(self) -> Decision:
+        shapes = [self.shaped(r) for r in self.runs]
+        shape = shapes[0] if shapes[0] is not None and all(m == shapes[0] for m in shapes) else None
+        if shape is None:
+            return Decision(None, None, ())
+        factors = tuple(self.fits(r)[shape].factor for r in self.runs)
+        if all(abs(f - 1) < self.tol for f in factors):
+            return Decision(shape, "exact", factors)
+        if _same(factors, self.tol):
+            return Decision(shape, "advantages", factors)
+        per_token = [f / r.tokens for f, r in zip(factors, self.runs)]
+        if shape == "token" and _same(per_token, self.tol):
+            return Decision(shape, "constant", factors, constant=1 / per_token[0])
+        return Decision(shape, "varies", factors)
 
     @property
     def invariant(self) -> bool:
-        mode = self.reference_mode
-        return (mode in INVARIANT_MODES and all(self.equals(r) == mode for r in self.runs)
-                and all(r.ranks_agree for r in self.runs))
+        return self.decision().invariant and all(r.ranks_agree for r in self.runs)
 
     @property
     def exit_code(self) -> int:
         return 0 if self.invariant else 1
 
     def verdict(self) -> str:
-        mode = self.reference_mode
-        if self.invariant:
-            return (f"INVARIANT: every run equals gradnorm's `{mode}` on its own batch, to {self.tol:g} (the runs "
+        d = self.decision()
+        disagree = [f"under {label} the ranks stepped with different gradients (no all-reduce?)"
+                    for label, r in zip(self.labels, self.runs) if not r.ranks_agree]
+        if d.invariant and not disagree:
+            said = (f"INVARIANT: every run equals gradnorm's `{d.shape}` on its own batch, to {self.tol:g} (the runs "
                     "sample different completions, so each is compared with the modes, not token by token)")
+            if d.law == "advantages":
+                said += (f"; every weight is {d.factors[0]:.6g} times it in every run: the trainer scales its "
+                         f"advantages otherwise than TRL's default the probe assumes (c = {ADVANTAGE:.6g})")
+            if d.law == "constant":
+                said = (f"INVARIANT: every run equals a constant denominator C = {d.constant:.6g} (Dr GRPO's), "
+                        "the same in every run while each run's N differs")
+            return said
+        if d.shape is not None and d.law == "varies":
+            spread = ", ".join(f"{label} x{f:.6g}" for label, f in zip(self.labels, d.factors))
+            return (f"SKEWED: every run has `{d.shape}`'s shape, but its step weighs a different multiple of it in "
+                    f"each run ({spread}): a count over another window than the optimizer step's (a generation "
+                    "batch of several steps?)" + "".join(f"; {x}" for x in disagree))
         said = []
         for label, run in zip(self.labels, self.runs):
-            exact, shape = self.equals(run), self.shaped(run)
             fits = self.fits(run)
-            if exact == mode and mode in INVARIANT_MODES:
-                continue
-            if exact == "local":
-                said.append(f"{label} equals `local`: each microbatch by its own count (skewed)")
-            elif shape is not None:
-                said.append(f"{label} equals `{shape}` up to a factor {fits[shape].factor:.6g}: the step's weights sum to "
-                            f"that many times the mode's (a count over another window than the optimizer step's?)")
-            else:
+            if self.equals(run) == "local":
+                said.append(f"{label} equals `local`: each microbatch by its own count")
+            elif self.shaped(run) is None:
                 best = min(fits, key=lambda m: fits[m].distance)
                 said.append(f"{label} equals no gradnorm mode (nearest `{best}`, {fits[best].distance:.3g} away)")
-            if not run.ranks_agree:
-                said.append(f"under {label} the ranks stepped with different gradients (no all-reduce?)")
-        return "SKEWED: " + "; ".join(said) if said else "SKEWED"
+            else:
+                said.append(f"{label} equals `{self.shaped(run)}` x{fits[self.shaped(run)].factor:.6g}")
+        return "SKEWED: " + "; ".join(said + disagree)
 
     def format(self) -> str:
         lines = [f"audit of {self.name} (GRPO, a generating trainer)",

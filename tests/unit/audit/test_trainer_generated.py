@@ -13,7 +13,7 @@ import torch
 
 from gradnorm.audit.objectives import GRPO, mode_weights
 from gradnorm.audit.trainer.data import grpo_prompts
-from gradnorm.audit.trainer.generated import ADVANTAGE, fit_modes, read_generated
+from gradnorm.audit.trainer.generated import ADVANTAGE, GeneratedReport, fit_modes, read_generated
 from gradnorm.audit.trainer.model import EOS, PAD, write_probe
 
 CONTENT = 100  # completions' ids start here, clear of the prompts'
@@ -38,8 +38,9 @@ def _completions(data):
             (3, [a + 9, EOS]), (3, [a + 10, EOS])]            # 1, 1: advantages 0
 
 
-def _backward(model, data, completions, plan, mode):
-    """The records of a trainer that weighs each token by ``mode`` (w * A * -log p, then backward per microbatch)."""
+def _backward(model, data, completions, plan, mode, scale=1.0, constant=0.0):
+    """The records of a trainer that weighs each token by ``scale`` times ``mode`` (w * A * -log p, backward per
+    microbatch); ``constant``: C for the mode "constant"."""
     model.zero_grad()
     prompts = [[row[0].input_id, row[0].label] for row in data.rows]
     rows = [prompts[p] + tokens for p, tokens in completions]
@@ -54,7 +55,7 @@ def _backward(model, data, completions, plan, mode):
         members = groups == g
         adv[members] = torch.sign(rewards[members] - rewards[members].mean()) * ADVANTAGE
     _, group_ids = groups.unique(return_inverse=True)
-    w = mode_weights(GRPO, mode, mask, group_ids, int(group_ids.max()) + 1, plan, 0.0)  # (S, T)
+    w = scale * mode_weights(GRPO, mode, mask, group_ids, int(group_ids.max()) + 1, plan, constant)  # (S, T)
     forwards = []
     for mb in plan[0]:
         width = max(len(rows[i]) for i in mb.tolist())
@@ -95,3 +96,34 @@ def test_control_per_microbatch_means_are_not_token(probe):
     fits = fit_modes(read_generated(data, _backward(model, data, completions, plan, "local")))
     assert fits["local"].distance < 1e-6
     assert fits["token"].distance > 1e-2
+
+
+def _two_runs(probe, first, second):
+    """A report of two runs on different batches (the second lacks the last group), each weighed as told."""
+    data, model = probe
+    completions = _completions(data)
+    runs = []
+    for batch, (mode, scale, constant) in ((completions, first), (completions[:6], second)):
+        plan = [[torch.arange(len(batch))]]
+        runs.append(read_generated(data, _backward(model, data, batch, plan, mode, scale, constant)))
+    assert runs[0].tokens != runs[1].tokens
+    return GeneratedReport("test", ["first", "second"], runs, tol=1e-5)
+
+
+def test_the_same_factor_in_every_run_is_the_advantages_scaling(probe):
+    report = _two_runs(probe, ("token", 2 ** 0.5, 0.0), ("token", 2 ** 0.5, 0.0))
+    d = report.decision()
+    assert report.exit_code == 0 and d.law == "advantages" and d.factors[0] == pytest.approx(2 ** 0.5)
+
+
+def test_a_constant_denominator_is_found_across_runs_of_different_n(probe):
+    report = _two_runs(probe, ("constant", 1.0, 64.0), ("constant", 1.0, 64.0))
+    d = report.decision()
+    assert report.exit_code == 0 and d.law == "constant" and d.constant == pytest.approx(64.0)
+    assert "C = 64" in report.verdict()
+
+
+def test_control_a_factor_that_changes_between_runs_is_skewed(probe):
+    report = _two_runs(probe, ("token", 1.0, 0.0), ("token", 1.1, 0.0))
+    d = report.decision()
+    assert report.exit_code == 1 and d.law == "varies" and report.verdict().startswith("SKEWED")
