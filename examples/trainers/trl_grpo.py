@@ -8,6 +8,7 @@
 ``per_device_batch`` counts completions; two completions a prompt (``num_generations``), 16 new
 tokens at most. ``build_dapo`` is TRL's default loss (the token count of the generation batch,
 rescaled to one accumulation window); ``build_grpo`` its per-sequence mean per microbatch;
+``build_dr_grpo`` Dr GRPO's constant (a microbatch's sequences times max_completion_length);
 ``build_dapo_two_steps`` samples for two optimizer steps at once (steps_per_generation = 2 * A), so
 the count spans both; ``build_dapo_two_steps_fixed`` is that one with gradnorm's fix
 (``gradnorm.integrations.trl_grpo.GlobalTokenGRPOTrainer``).
@@ -40,6 +41,12 @@ def build_grpo(model, tokenizer, train_dataset, reward_func, num_generations, *,
                per_device_batch):
     return _trainer(model, tokenizer, train_dataset, reward_func, num_generations, output_dir, accum_steps,
                     per_device_batch, loss_type="grpo")
+
+
+def build_dr_grpo(model, tokenizer, train_dataset, reward_func, num_generations, *, output_dir, accum_steps,
+                  per_device_batch):
+    return _trainer(model, tokenizer, train_dataset, reward_func, num_generations, output_dir, accum_steps,
+                    per_device_batch, loss_type="dr_grpo")
 
 
 def build_dapo_two_steps(model, tokenizer, train_dataset, reward_func, num_generations, *, output_dir, accum_steps,

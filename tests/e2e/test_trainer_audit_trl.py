@@ -6,7 +6,7 @@ the weights written out longhand:
 - SFTTrainer, padded and padding-free: every label token (EOS included, which it appends) 1/N;
 - DPOTrainer: every pair 1/P, every token of a pair its pair's weight (bf16 off: see the builds);
 - GRPOTrainer: `dapo` the token mean 1/N and `grpo` the sequence mean 1/(S*|o_i|), each on its own
-  sampled batch; `dapo` with steps_per_generation = 2 * A a token mean times a per-step factor
+  sampled batch; `dr_grpo` a constant 1/(S * max_completion_length); `dapo` with steps_per_generation = 2 * A a token mean times a per-step factor
   (its count spans the generation batch: TRL #5619), the control that must fail, and the same with
   ``gradnorm.integrations.trl_grpo.GlobalTokenGRPOTrainer``: the token mean 1/N again.
 
@@ -72,6 +72,16 @@ def test_grpo_trainer_equals_its_mode_on_every_run(build, mode):
         assert fit.distance < 1e-5 and fit.factor == pytest.approx(1, abs=1e-5)
         assert len({c.prompt for c in run.completions}) * 2 == len(run.completions)  # whole groups in the step
     assert report.runs[1].world_size == 2 and report.runs[1].accum_steps == 2
+
+
+def test_grpo_dr_grpo_is_a_constant_denominator():
+    """Dr GRPO's loss divides a microbatch by its sequences times max_completion_length: over the step, a constant
+    C = S * 16 whatever N each run happened to sample."""
+    report = _audit("trl_grpo.py:build_dr_grpo", "grpo").report
+    decision = report.decision()
+    assert report.exit_code == 0 and decision.law == "constant"
+    assert decision.constant == pytest.approx(16 * 16, rel=1e-5)  # S = 16 completions, max_completion_length 16
+    assert len({run.tokens for run in report.runs}) > 1  # the runs sampled different N: a token mean would differ
 
 
 def test_grpo_dapo_counting_two_steps_is_off_by_a_factor():
