@@ -15,7 +15,7 @@ import gradnorm
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = Path(gradnorm.__file__).resolve().parent
 # Extras that the conda environment carries; others (GPU-only or heavy stacks) stay opt-in.
-CONDA_EXTRAS = ("notebooks", "test", "report")
+CONDA_EXTRAS = ("notebooks", "test", "report", "trainers")  # trainers: notebook 07 audits real trainers
 
 
 def test_environment_yml_lists_the_same_dependencies_as_pyproject():
