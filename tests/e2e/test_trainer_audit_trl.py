@@ -10,7 +10,7 @@ the weights written out longhand:
   (its count spans the generation batch: TRL #5619), the control that must fail, and the same with
   ``gradnorm.integrations.trl_grpo.GlobalTokenGRPOTrainer``: the token mean 1/N again.
 
-Marked ``trl``: ``make test-trainers`` runs them (CI does, after ``make test``); ``make test`` leaves
+Marked ``trainers``: ``make test-trainers`` runs them (CI does, after ``make test``); ``make test`` leaves
 them out to stay inside its time.
 """
 
@@ -23,7 +23,7 @@ from gradnorm.audit.trainer.audit import audit_trainer
 from tests.helpers.trainer_audit import assert_global_token_mean
 from gradnorm.audit.trainer.data import sft_data
 
-pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.trl]
+pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.trainers]
 BUILDS = Path(__file__).resolve().parents[2] / "examples" / "trainers"
 
 

@@ -41,31 +41,43 @@ def _error_path(out: Path) -> Path:
     return out / f"error.rank{os.environ.get('RANK', '0')}.txt"
 
 
+def _model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _dataset(path: str):
+    """The probe's records as a datasets.Dataset (a list of dicts where datasets is not installed)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    try:
+        import datasets
+    except ImportError:
+        return records
+    return datasets.Dataset.from_list(records)
+
+
 def run(spec: dict) -> None:
+    """Build the user's trainer with what it asks for (each made only if asked: a build that fails, fails fast)."""
     from gradnorm.audit.trainer.recorder import install
 
     install()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from gradnorm.audit.trainer.data import parity_reward
     from gradnorm.cli.usercode import load_function
 
     torch.set_num_threads(1)
     build = load_function(spec["build"])
-    records = [json.loads(line) for line in Path(spec["data_path"]).read_text().splitlines()]
-    try:
-        import datasets
-
-        train_dataset = datasets.Dataset.from_list(records)
-    except ImportError:
-        train_dataset = records
-    from gradnorm.audit.trainer.data import parity_reward
-
-    offered = {"model": lambda: AutoModelForCausalLM.from_pretrained(spec["model_path"]),
-               "reward_func": lambda: parity_reward, "num_generations": lambda: 2,
-               "tokenizer": lambda: AutoTokenizer.from_pretrained(spec["model_path"]),
-               "train_dataset": lambda: train_dataset, **{k: (lambda k=k: spec[k]) for k in BUILD_KEYWORDS
-                                                            if k in spec}}
+    offered = {"model": lambda: _model(spec["model_path"]), "tokenizer": lambda: _tokenizer(spec["model_path"]),
+               "train_dataset": lambda: _dataset(spec["data_path"]), "reward_func": lambda: parity_reward,
+               "num_generations": lambda: 2, **{k: (lambda k=k: spec[k]) for k in BUILD_KEYWORDS if k in spec}}
     params = inspect.signature(build).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kwargs = {k: make() for k, make in offered.items() if takes_all or k in params}
