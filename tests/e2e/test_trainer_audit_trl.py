@@ -62,15 +62,18 @@ def test_dpo_trainer_weighs_every_pair_one_over_p():
         torch.testing.assert_close(weights, torch.full_like(weights, 1 / P), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("build, mode", [("trl_grpo.py:build_dapo", "token"), ("trl_grpo.py:build_grpo", "sequence"),
-                                         ("trl_grpo.py:build_dapo_two_steps_fixed", "token")])
-def test_grpo_trainer_equals_its_mode_on_every_run(build, mode):
+@pytest.mark.parametrize("build, mode, whole_groups", [
+    ("trl_grpo.py:build_dapo", "token", True), ("trl_grpo.py:build_grpo", "sequence", True),
+    ("trl_grpo.py:build_dapo_two_steps_fixed", "token", False),  # a generation batch of two steps splits groups
+])
+def test_grpo_trainer_equals_its_mode_on_every_run(build, mode, whole_groups):
     report = _audit(build, "grpo").report
     assert report.exit_code == 0 and report.decision().shape == mode and report.decision().law == "exact"
     for run in report.runs:
         fit = report.fits(run)[mode]
         assert fit.distance < 1e-5 and fit.factor == pytest.approx(1, abs=1e-5)
-        assert len({c.prompt for c in run.completions}) * 2 == len(run.completions)  # whole groups in the step
+        groups = len({c.prompt for c in run.completions})
+        assert (groups * 2 == len(run.completions)) == whole_groups  # both completions of a prompt in the step
     assert report.runs[1].world_size == 2 and report.runs[1].accum_steps == 2
 
 
