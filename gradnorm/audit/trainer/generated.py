@@ -36,7 +36,7 @@ from torch import Tensor
 from gradnorm.audit.objectives import GRPO, mode_weights
 from gradnorm.audit.trainer.data import ProbeData, parity_reward
 from gradnorm.audit.trainer.model import EOS, FIRST_CONTENT, PAD, next_token_probs, sink, token_text
-from gradnorm.audit.trainer.readout import ReadoutError
+from gradnorm.audit.trainer.readout import ReadoutError, step_gradient
 
 ADVANTAGE = 0.5 / (math.sqrt(0.5) + 1e-4)
 """c: the advantage of a group with rewards {0, 1}, centered and divided by its std (unbiased, sqrt(1/2)) + 1e-4."""
@@ -110,17 +110,11 @@ def _completions(data: ProbeData, records: list[dict]) -> list[Completion]:
 
 def read_generated(data: ProbeData, records: list[dict]) -> GeneratedRun:
     """The batch a GRPO run trained on at its first optimizer step, and every cell's measured w * A."""
-    if not records:
-        raise ReadoutError("the trainer never stepped its optimizer: no rank reached an optimizer step")
-    if any(r["grad"] is None for r in records):
-        raise ReadoutError("a rank stepped its optimizer before the probe model had a gradient: is the model the "
-                           "trainer trains the one loaded from the probe directory?")
+    grad, ranks_agree = step_gradient(records)
     completions = _completions(data, records)
     if not completions:
         raise ReadoutError("no forward with gradients held a probe prompt: does the trainer train on the probe's "
                            "prompts (the data set's 'prompt' column)?")
-    grad = records[0]["grad"] / records[0].get("clip", 1.0)  # the gradient before the trainer's clip
-    ranks_agree = all(torch.allclose(r["grad"] / r.get("clip", 1.0), grad, rtol=1e-5, atol=0) for r in records[1:])
     S, T = len(completions), max(len(c.tokens) for c in completions)
     mask = torch.zeros(S, T, dtype=torch.bool)
     for i, c in enumerate(completions):

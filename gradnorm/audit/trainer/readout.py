@@ -54,18 +54,25 @@ def slot_table(data: ProbeData) -> tuple[Tensor, Tensor, Tensor]:
     return ids, labels, exists
 
 
-def read(data: ProbeData, records: list[dict]) -> Readout:
-    """The readout of one run from its ranks' records (``gradnorm.audit.trainer.recorder``), ordered by rank."""
+def step_gradient(records: list[dict]) -> tuple[Tensor, bool]:
+    """(rank 0's head gradient before the trainer's clip, whether every rank took the same one).
+
+    The recorder kept the clip's factor; dividing it out gives what the loss and the accumulation
+    made. A launch with no record, or a record without a gradient, is the trainer's failure to say.
+    """
     if not records:
         raise ReadoutError("the trainer never stepped its optimizer: no rank reached an optimizer step")
-    grads = [r["grad"] for r in records]
-    if any(g is None for g in grads):
-        rank = next(r["rank"] for r in records if r["grad"] is None)
-        raise ReadoutError(f"rank {rank} stepped its optimizer before the probe model had a gradient: is the model "
-                           "the trainer trains the one loaded from the probe directory?")
-    grads = [r["grad"] / r.get("clip", 1.0) for r in records]  # before the trainer's clip (the recorder kept its factor)
-    grad = grads[0]
-    ranks_agree = all(torch.allclose(g, grad, rtol=1e-5, atol=0) for g in grads[1:])
+    missing = [r["rank"] for r in records if r["grad"] is None]
+    if missing:
+        raise ReadoutError(f"rank {missing[0]} stepped its optimizer before the probe model had a gradient: is the "
+                           "model the trainer trains the one loaded from the probe directory?")
+    grads = [r["grad"] / r.get("clip", 1.0) for r in records]
+    return grads[0], all(torch.allclose(g, grads[0], rtol=1e-5, atol=0) for g in grads[1:])
+
+
+def read(data: ProbeData, records: list[dict]) -> Readout:
+    """The readout of one run from its ranks' records (``gradnorm.audit.trainer.recorder``), ordered by rank."""
+    grad, ranks_agree = step_gradient(records)
     ids, labels, exists = slot_table(data)
     V = data.vocab_size
     if grad.shape != (V, V):
