@@ -3,7 +3,8 @@
 A configuration (W, A) runs the user's build function in ``gradnorm.audit.trainer.worker`` processes:
 one plain process for W = 1, ``torchrun --standalone --nproc_per_node W`` otherwise (gloo on CPU,
 NCCL on GPUs, as the trainer chooses). A script runs as the user typed it, with the probe's paths
-where its placeholders are and this package's ``site/`` first on PYTHONPATH, whose
+where its placeholders are, the audit's own environment's ``bin/`` first on PATH (its ``python``
+and ``torchrun``, as if activated), and this package's ``site/`` first on PYTHONPATH, whose
 ``sitecustomize`` installs the recorder in every Python process of the command. Either way each
 rank writes ``rank<R>.pt`` at its first optimizer step, into a folder of the audit's temporary
 directory; ``records`` reads them back.
@@ -58,6 +59,9 @@ def _env(out: Path, vocab_size: int, site: bool) -> dict[str, str]:
                TRITON_CACHE_DIR=str(out / "cache" / "triton"))
     if site:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH", "")) if p)
+        # the command's `python` and `torchrun` are this environment's, as if it were activated: the one whose
+        # gradnorm the recorder imports
+        env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
     return env
 
 
