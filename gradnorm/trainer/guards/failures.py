@@ -17,6 +17,8 @@ import time
 import torch
 
 from gradnorm.core.errors import first_line  # also what main() reports a failed join with
+from gradnorm.trainer.checkpoint.store import latest_checkpoint
+from gradnorm.trainer.config import TrainConfig
 
 GRACE_S = 30.0
 """How long a rank other than 0 waits before printing an error of its own (``report_error``)."""
@@ -63,17 +65,31 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 """What a write that names no file fails with: a full disk or quota, a read-only or failing device."""
 
 
-def explain(err: BaseException, device: torch.device, step: int | None) -> str:
-    """The message of an error that stopped a run at ``step`` (None: before the first step)."""
+def explain(err: BaseException, device: torch.device, step: int | None, cfg: TrainConfig | None = None) -> str:
+    """The message of an error that stopped the run ``cfg`` (None: unknown) at ``step`` (None: before
+    the first step); the checkpoints in its output directory decide how it can go on."""
     where = "" if step is None else f"step {step}: "
-    if out_of_memory(err):
+    if out_of_memory(err):  # no --resume advice: MEMORY_ADVICE's smaller batch is another run
         first = first_line(err, 160)
-        return f"{where}out of memory on {device} ({first}); {MEMORY_ADVICE}; the checkpoints written so far are intact"
+        return f"{where}out of memory on {device} ({first}); {MEMORY_ADVICE}; {_what_is_left(cfg)}"
     if isinstance(err, OSError) and (err.filename is not None or err.errno in WRITE_ERRNOS):  # a run file
         what = err.filename if err.filename is not None else "a file of the run"  # metrics.jsonl, config.json, ...
-        return (f"{where}could not write {what} ({err.strerror or err}); the checkpoints written so far are intact, "
-                "and --resume continues from the latest once the cause is fixed")
+        return (f"{where}could not write {what} ({err.strerror or err}); "
+                f"{_what_is_left(cfg, ', and --resume continues from the latest once the cause is fixed')}")
     return where + str(err)
+
+
+def _what_is_left(cfg: TrainConfig | None, resume: str = "") -> str:
+    """What the failed run left to go on from: its checkpoints (then ``resume``, the way on), or
+    none (--save-every 0, or a failure before the first save), and then the only way on is to start
+    over: the same command under --auto-resume (which starts over by itself), else with --overwrite
+    (a plain start refuses a directory that holds a run)."""
+    if cfg is None:  # a caller that cannot say where the run is: what holds either way
+        return f"any checkpoint written so far is intact{resume}"
+    if latest_checkpoint(cfg.output_dir) is None:
+        again = "the same command again" if cfg.auto_resume else "the same command with --overwrite"  # --resume had one
+        return f"no checkpoint was written, so there is nothing to resume: start the run over ({again})"
+    return f"the checkpoints written so far are intact{resume}"
 
 
 def peer_failure(posted: dict[int, str], err: BaseException, rank: int, world_size: int, timeout_s: float,
