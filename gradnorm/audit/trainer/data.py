@@ -119,13 +119,14 @@ def dpo_data(num_pairs: int = 12, seed: int = 0) -> ProbeData:
 def grpo_prompts(num_prompts: int = 16) -> ProbeData:
     """GRPO's prompts: two ids of their own each; the trainer samples the completions (``gradnorm.audit.trainer.generated``).
 
-    Records: ``{"prompt": ...}``. ``rows`` are the prompts (the readout learns the completions from
+    Records: ``{"prompt", "answer"}`` (TRL reads the prompt and hands the answer to the reward as a keyword;
+    gradnorm's trainer needs both in its prompts file). ``rows`` are the prompts (the readout learns the completions from
     the recorded inputs), ``owner`` maps each prompt's last id to its prompt index.
     """
     ids, records, rows = _Ids(), [], []
     for p in range(num_prompts):
         prompt = ids.take(2, unit=p)
-        records.append({"prompt": _words(prompt)})
+        records.append({"prompt": _words(prompt), "answer": "odd"})
         rows.append([Slot(prompt[0], prompt[1])])
     vocab = 1024  # room for the completions' content ids: a sampled (input, label) pair repeats rarely
     return ProbeData("grpo", records, rows, list(range(num_prompts)), ids.owner, max(vocab, vocab_size_for(ids.next)))
@@ -138,6 +139,12 @@ def parity_reward(prompts=None, completions=None, **kwargs) -> list[float]:
     group whatever the std scaling) or equal (advantages 0: that group's tokens carry no gradient).
     """
     return [float(len(str(c).split()) % 2) for c in completions]
+
+
+def parity_of_response(response: str, answer: str) -> float:
+    """``parity_reward`` in the signature of gradnorm's trainer (``--reward module:function``: one decoded response,
+    up to its first EOS, and the prompt's answer): 1.0 for a response of an odd number of tokens."""
+    return parity_reward(None, [response])[0]
 
 
 def _lengths(n: int, seed: int) -> list[int]:

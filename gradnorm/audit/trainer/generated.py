@@ -71,6 +71,9 @@ class GeneratedRun:
     ranks_agree: bool
     world_size: int
     modes: dict[str, "ModeFit"] = field(default_factory=dict)
+    drops: bool | None = None  # whether its gradient showed labels beyond rows at a forward's edge (None: no row said)
+    unsure: int = 0  # rows at a forward's edge read as ending there for want of a gradient that says
+    reread: object = field(default=None, repr=False)  # drops -> the run read again with that convention
 
     @property
     def accum_steps(self) -> int:
@@ -87,34 +90,131 @@ class ModeFit:
     factor: float  # f: the uniform factor that fits best (1 when the mode is met exactly)
 
 
-def _completions(data: ProbeData, records: list[dict]) -> list[Completion]:
-    last_prompt_id = {row[0].label: p for p, row in enumerate(data.rows)}  # a prompt's second id -> prompt
+@dataclass
+class _Row:
+    """A completion as one recorded row holds it: its labels up to the row's end."""
+
+    prompt: int
+    context: int
+    tokens: list[int]  # the labels the input holds: up to and including EOS, or up to the row's last column
+    rank: int
+    microbatch: int
+    forward: tuple[int, int]  # (record, forward): the forward call it was read from
+    edge: bool  # the row ends at the forward's last column without EOS or PAD: one more label may lie beyond
+
+
+def _rows(data: ProbeData, records: list[dict]) -> list[_Row]:
+    """Every completion in the recorded inputs: a row is [PAD...] prompt completion [PAD...]."""
+    prompt_of = {row[0].label: p for p, row in enumerate(data.rows)}  # a prompt's second id -> prompt
+    first_id = {p: row[0].input_id for p, row in enumerate(data.rows)}
     found = []
-    for record in records:
-        for m, forward in enumerate(record["forwards"]):
+    for r, record in enumerate(records):
+        microbatches = record.get("microbatches") or range(len(record["forwards"]))  # the recorder's, else one each
+        for f, (forward, m) in enumerate(zip(record["forwards"], microbatches)):
             for row in forward.reshape(-1, forward.shape[-1]).tolist():
-                at = next((j for j, i in enumerate(row) if i in last_prompt_id), None)
-                if at is None:
+                at = next((j for j, i in enumerate(row) if i in prompt_of), None)
+                if at is None or at == 0 or row[at - 1] != first_id[prompt_of[row[at]]]:
+                    if any(i != PAD for i in row):
+                        raise ReadoutError(
+                            f"a forward that took part in the backward holds a row without its prompt ({row[:4]}...): "
+                            "the trainer computes a prompt apart from its completion (a prompt forwarded once and "
+                            "shared through its KV cache), so the readout cannot tell whose completion it is; audit "
+                            "the trainer with a forward of whole rows (gradnorm/train.py: --gradient-checkpointing)")
                     continue
-                tokens = []
+                tokens, edge = [], True
                 for i in row[at + 1:]:
                     if i == PAD:
+                        edge = False
                         break
                     tokens.append(i)
                     if i == EOS:
+                        edge = False
                         break
-                if tokens:
-                    found.append(Completion(last_prompt_id[row[at]], tokens, row[at], record["rank"], m))
+                if tokens or edge:
+                    found.append(_Row(prompt_of[row[at]], row[at], tokens, record["rank"], m, (r, f), edge))
     return found
 
 
-def read_generated(data: ProbeData, records: list[dict]) -> GeneratedRun:
-    """The batch a GRPO run trained on at its first optimizer step, and every cell's measured w * A."""
+def _cells(context: int, tokens: list[int]) -> list[tuple[int, int]]:
+    return list(zip([context, *tokens[:-1]], tokens))
+
+
+def _complete(rows: list[_Row], measured: Tensor, vocab_size: int,
+              drops: bool | None = None) -> tuple[list[Completion], list[int], bool | None]:
+    """Each row's whole completion, the last labels the inputs lack read from the gradient; the completions
+    whose last label no gradient showed (taken as EOS); and what the gradient said of the trainer (None: nothing).
+
+    A trainer that forwards ``tokens[:, :-1]`` (gradnorm's) never feeds the last label of a forward's longest
+    row: that row ends at the forward's edge, neither EOS nor PAD after its last id k. A trainer that feeds whole
+    rows leaves a row at the edge only when its maximum length cut it (no label beyond). Which one the trainer
+    is, the gradient says: in column k, a label no known cell explains with measured(k, y) != 0 is the missing
+    last label. Rows whose known cells read 0 (a group of equal rewards: no gradient) say nothing; when no row
+    of the run says, ``drops`` (what another run of the same trainer said: ``GeneratedReport``) decides, and
+    without it the rows end where the inputs end. A dropped label no gradient shows is EOS: the row ended
+    before the trainer's maximum (which ``read_generated`` checks against the rewards).
+    """
+    known = [_cells(r.context, r.tokens) for r in rows]
+    count: dict[tuple[int, int], int] = {}
+    for cells in known:
+        for cell in cells:
+            count[cell] = count.get(cell, 0) + 1
+    values = [abs(float(measured[y, k])) for k, y in count]
+    top = max(values, default=0.0)
+    threshold = 1e-4 * top if top > 0 else math.inf  # fp32 rounding reads ~1e-7 of the largest cell
+    explained: dict[int, set[int]] = {}
+    for k, y in count:
+        explained.setdefault(k, set()).add(y)
+    V = vocab_size
+    extra, says = {}, {}
+    for i, row in enumerate(rows):
+        if not row.edge:
+            continue
+        k = row.tokens[-1] if row.tokens else row.context
+        column = measured[:, k].abs()
+        column[sink(V)] = 0.0
+        extra[i] = [y for y in (column > threshold).nonzero().flatten().tolist() if y not in explained.get(k, ())]
+        if len(extra[i]) > 1:
+            raise ReadoutError(f"the row ending in id {k} at a forward's edge has {len(extra[i])} labels in the gradient "
+                               "that no recorded input explains: its last label cannot be read")
+        own = [cell for cell in known[i] if count[cell] == 1]
+        if any(abs(float(measured[y, k2])) > threshold for k2, y in own):  # its weight shows: the gradient says
+            says[i] = len(extra[i]) == 1
+    if len(set(says.values())) > 1:
+        raise ReadoutError("rows at a forward's edge disagree on whether the trainer trained a label beyond them "
+                           "(some show one in the gradient, some do not): the readout cannot tell where they end")
+    said = next(iter(says.values())) if says else None
+    drops = said if said is not None else bool(drops)
+    completions, unseen = [], []
+    for i, row in enumerate(rows):
+        tokens = list(row.tokens)
+        if row.edge and drops:
+            if extra[i]:
+                tokens.append(extra[i][0])
+            else:
+                tokens.append(EOS)
+                unseen.append(len(completions))
+        if tokens:
+            completions.append(Completion(row.prompt, tokens, row.context, row.rank, row.microbatch))
+    return completions, unseen, said
+
+
+def read_generated(data: ProbeData, records: list[dict], drops: bool | None = None) -> GeneratedRun:
+    """The batch a GRPO run trained on at its first optimizer step, and every cell's measured w * A.
+
+    ``drops``: whether the trainer trains a label beyond a row at a forward's edge, for a run whose gradient
+    cannot say (``_complete``); None reads such rows as ending there."""
     grad, ranks_agree = step_gradient(records)
-    completions = _completions(data, records)
-    if not completions:
+    rows = _rows(data, records)
+    if not rows:
         raise ReadoutError("no forward with gradients held a probe prompt: does the trainer train on the probe's "
                            "prompts (the data set's 'prompt' column)?")
+    p = next_token_probs(data.vocab_size, generating=True)
+    p_content = float(p[FIRST_CONTENT])
+    # column k's sum over its positions of w * A: every content row no position of k uses as a label reads
+    # p_content times it, and those are all but a handful of the column's rows: the median is one of them
+    column_sum = grad[FIRST_CONTENT: sink(data.vocab_size)].median(dim=0).values / p_content  # (V,)
+    everywhere = column_sum.unsqueeze(0) * p.unsqueeze(-1) - grad  # (V, V): [y, k] -> measured(k, y)
+    completions, unseen, said = _complete(rows, everywhere, data.vocab_size, drops)
     S, T = len(completions), max(len(c.tokens) for c in completions)
     mask = torch.zeros(S, T, dtype=torch.bool)
     for i, c in enumerate(completions):
@@ -132,6 +232,13 @@ def read_generated(data: ProbeData, records: list[dict]) -> GeneratedRun:
         k, y = completions[i].cells[0]
         value = float(grad[y, k])  # -w * A (plus p_y * sum, which is 0 for a column of this completion alone)
         advantages[i] = -math.copysign(ADVANTAGE, value) if value != 0 else 0.0
+    cut = [i for i in unseen if advantages[i] != 0]
+    if cut:  # its group's rewards differ, yet no label of its showed in the gradient: it never ended in EOS
+        c = completions[cut[0]]
+        raise ReadoutError(f"a completion of prompt {c.prompt} ends at a forward's edge after {len(c.tokens) - 1} "
+                           "labels with no gradient to read its last one from, and its group's rewards differ: the "
+                           "trainer's maximum length cut it, which the readout cannot read; raise the build's maximum "
+                           "completion length")
     ranks = sorted({c.rank for c in completions})
     plan = [[torch.tensor([i for i, c in enumerate(completions) if c.rank == r and c.microbatch == m])
              for m in sorted({c.microbatch for c in completions if c.rank == r})] for r in ranks]
@@ -139,25 +246,19 @@ def read_generated(data: ProbeData, records: list[dict]) -> GeneratedRun:
     for i, c in enumerate(completions):
         for t, cell in enumerate(c.cells):
             cells.setdefault(cell, []).append((i, t))
-    p = next_token_probs(data.vocab_size, generating=True)
-    p_content = float(p[FIRST_CONTENT])
-    labels_of: dict[int, set[int]] = {}
-    for k, y in cells:
-        labels_of.setdefault(k, set()).add(y)
-    column_sum = {}  # k -> sum over the column's positions of w * A, from a content row no position there uses
-    for k, ys in labels_of.items():
-        base = next(r for r in range(FIRST_CONTENT, sink(data.vocab_size)) if r not in ys)
-        column_sum[k] = float(grad[base, k]) / p_content
-    measured = {(k, y): column_sum[k] * float(p[y]) - float(grad[y, k]) for (k, y) in cells}
+    measured = {(k, y): float(everywhere[y, k]) for (k, y) in cells}
     expected_off = torch.zeros_like(grad)  # what the gradient holds if only the cells carry weight
-    for k, total in column_sum.items():
-        expected_off[:, k] = p * total
+    for k in {k for k, _ in cells}:
+        expected_off[:, k] = p * column_sum[k]
     for (k, y), value in measured.items():
         expected_off[y, k] -= value
     total = sum(abs(v) for v in measured.values())
     stray = float((grad - expected_off).abs().sum()) / total if total > 0 else 0.0
     world = records[0]["world_size"]
-    return GeneratedRun(completions, mask, advantages, plan, cells, measured, stray, ranks_agree, world)
+    edges = sum(r.edge for r in rows)
+    return GeneratedRun(completions, mask, advantages, plan, cells, measured, stray, ranks_agree, world,
+                        drops=said, unsure=edges if said is None and drops is None else 0,
+                        reread=lambda drops: read_generated(data, records, drops))
 
 
 def fit_modes(run: GeneratedRun) -> dict[str, ModeFit]:
@@ -216,6 +317,20 @@ class GeneratedReport:
     labels: list[str]
     runs: list[GeneratedRun]  # runs[0]: the reference (one process, one microbatch)
     tol: float
+
+    def __post_init__(self):
+        """A trainer feeds its rows the same way in every run: a run whose gradient could not say whether a label
+        lies beyond its rows at a forward's edge (every such row in a group of equal rewards) is read again as
+        the runs that could say."""
+        said = {r.drops for r in self.runs if r.drops is not None}
+        if len(said) == 1:
+            drops = said.pop()
+            for i, run in enumerate(self.runs):
+                if run.unsure and run.reread is not None:
+                    try:
+                        self.runs[i] = run.reread(drops)
+                    except ReadoutError:
+                        continue  # kept as read; format() counts its unsure rows
 
     def fits(self, run: GeneratedRun) -> dict[str, ModeFit]:
         return run.modes or fit_modes(run)
@@ -284,6 +399,8 @@ class GeneratedReport:
             fits = self.fits(run)
             if self.equals(run) == "local":
                 said.append(f"{label} equals `local`: each microbatch by its own count")
+            elif self.shaped(run) is None and fits["local"].distance < self.tol:  # and the advantages scaled otherwise
+                said.append(f"{label} equals `local` x{fits['local'].factor:.6g}: each microbatch by its own count")
             elif self.shaped(run) is None:
                 best = min(fits, key=lambda m: fits[m].distance)
                 said.append(f"{label} equals no gradnorm mode (nearest `{best}`, {fits[best].distance:.3g} away)")
@@ -306,5 +423,9 @@ class GeneratedReport:
                          f"{run.tokens:>6}  {cells}  {exact}")
         stray = max(r.stray for r in self.runs)
         lines.append(f"gradient outside the sampled tokens: {100 * stray:.2g}% of the total")
+        unsure = sum(r.unsure for r in self.runs)
+        if unsure:
+            lines.append(f"unsure: {unsure} rows end at a forward's last column in a group with no gradient, and no run "
+                         "showed whether the trainer trains a label beyond such a row: read as ending there")
         lines.append(f"verdict: {self.verdict()}")
         return "\n".join(lines)

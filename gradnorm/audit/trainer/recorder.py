@@ -2,9 +2,13 @@
 
 ``install()`` registers two global hooks, so that neither the trainer nor the model need know:
 
-- a module forward pre-hook that, for the probe's embedding (an ``nn.Embedding`` of shape (V, V))
-  called with gradients enabled, keeps the input ids: each call is one microbatch's forward on
-  this rank (generation and reference forwards run without gradients and are not kept);
+- a module forward hook that, for the probe's embedding (an ``nn.Embedding`` of shape (V, V))
+  called with gradients enabled, keeps the input ids, and a tensor hook on its output that marks
+  the forward when a gradient reaches it: only forwards that took part in a backward are saved
+  (generation and reference forwards run without gradients; a forward with gradients whose output
+  no loss used is dropped), each with the backward it took part in (``microbatches``: forwards
+  whose gradients arrive together, with no forward between them, are one microbatch, however many
+  forward calls a trainer splits it into, e.g. gradnorm's chunks of rows by length);
 - an optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``) that, at
   the first optimizer step of the process, saves the head's gradient as the optimizer is about to
   take it (after DDP's all-reduce, accumulation and any clipping) with the recorded inputs, to
@@ -40,9 +44,10 @@ def install() -> bool:
     out, vocab = os.environ.get("GRADNORM_PROBE_OUT"), os.environ.get("GRADNORM_PROBE_VOCAB")
     if not out or not vocab or _state:
         return False
-    _state.update(out=Path(out), vocab=int(vocab), forwards=[], embedding=None, done=False,
+    _state.update(out=Path(out), vocab=int(vocab), forwards=[], backward_of=[], backwards=0, last="forward",
+                  embedding=None, done=False,
                   rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    nn.modules.module.register_module_forward_pre_hook(_on_forward)
+    nn.modules.module.register_module_forward_hook(_on_forward)
     register_optimizer_step_pre_hook(_on_step)
     _state["clip"] = 1.0
     utils = torch.nn.utils
@@ -65,13 +70,35 @@ def install() -> bool:
     return True
 
 
-def _on_forward(module: nn.Module, args: tuple) -> None:
+def _on_forward(module: nn.Module, args: tuple, output) -> None:
     if _state["done"] or not torch.is_grad_enabled():
         return
     V = _state["vocab"]
     if isinstance(module, nn.Embedding) and tuple(module.weight.shape) == (V, V) and args:
+        index = len(_state["forwards"])
         _state["forwards"].append(args[0].detach().to("cpu", copy=True))
+        _state["backward_of"].append(None)
         _state["embedding"] = module.weight
+        _state["last"] = "forward"
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, index=index: _on_gradient(index))
+        else:  # a frozen embedding: no tensor here sees the backward, so the forward is kept as its own microbatch
+            _state["backward_of"][index] = -1 - index
+
+
+def _on_gradient(index: int) -> None:
+    """The gradient of forward ``index``'s output arrived: it took part in the backward under way."""
+    if _state["last"] == "forward":  # the first gradient since a forward: a new backward (a new microbatch)
+        _state["backwards"] += 1
+        _state["last"] = "backward"
+    _state["backward_of"][index] = _state["backwards"]
+
+
+def _used_forwards() -> tuple[list, list[int]]:
+    """The forwards that took part in a backward, and the index of the microbatch (backward) each belongs to."""
+    kept = [(x, b) for x, b in zip(_state["forwards"], _state["backward_of"]) if b is not None]
+    order = {b: m for m, b in enumerate(dict.fromkeys(b for _, b in kept))}
+    return [x for x, _ in kept], [order[b] for _, b in kept]
 
 
 def _on_step(optimizer, args, kwargs) -> None:
@@ -86,6 +113,7 @@ def _on_step(optimizer, args, kwargs) -> None:
     out = _state["out"]
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".rank{_state['rank']}.pt.tmp"
-    torch.save({"rank": _state["rank"], "world_size": _state["world_size"], "forwards": _state["forwards"],
-                "grad": grad, "clip": _state["clip"]}, tmp)
+    forwards, microbatches = _used_forwards()
+    torch.save({"rank": _state["rank"], "world_size": _state["world_size"], "forwards": forwards,
+                "microbatches": microbatches, "grad": grad, "clip": _state["clip"]}, tmp)
     tmp.replace(out / f"rank{_state['rank']}.pt")  # whole or absent: the audit never reads half a file
