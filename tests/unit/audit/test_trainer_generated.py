@@ -6,6 +6,11 @@ written by the test, two a prompt, one pair of them sharing an (input, label) ce
 -sum w * A * log p with w a mode's weights and A the probe's advantages (+-c by the parity reward).
 ``read_generated`` and ``fit_modes`` must find that mode at distance ~0 and factor 1; the control,
 weights of each microbatch by its own count on unequal microbatches, must be far from `token`.
+
+A trainer that forwards ``tokens[:, :-1]`` (gradnorm's) never feeds the last label of a forward's longest
+rows: the readout reads it from the gradient, or, for a row whose group has no gradient, from another run of
+the same trainer; read as ending at the edge instead, the batch is short of those labels (the control). The
+recorder keeps a forward only when a gradient reaches its output, and groups forwards by backward.
 """
 
 import pytest
@@ -13,8 +18,10 @@ import torch
 
 from gradnorm.audit.objectives import GRPO, mode_weights
 from gradnorm.audit.trainer.data import grpo_prompts
+from gradnorm.audit.trainer import recorder
 from gradnorm.audit.trainer.generated import ADVANTAGE, GeneratedReport, fit_modes, read_generated
 from gradnorm.audit.trainer.model import EOS, PAD, write_probe
+from gradnorm.audit.trainer.readout import ReadoutError
 
 CONTENT = 100  # completions' ids start here, clear of the prompts'
 
@@ -38,9 +45,10 @@ def _completions(data):
             (3, [a + 9, EOS]), (3, [a + 10, EOS])]            # 1, 1: advantages 0
 
 
-def _backward(model, data, completions, plan, mode, scale=1.0, constant=0.0):
+def _backward(model, data, completions, plan, mode, scale=1.0, constant=0.0, drop_last=False):
     """The records of a trainer that weighs each token by ``scale`` times ``mode`` (w * A * -log p, backward per
-    microbatch); ``constant``: C for the mode "constant"."""
+    microbatch); ``constant``: C for the mode "constant"; ``drop_last``: each forward is fed its rows but their
+    last column, as gradnorm's trainer feeds ``tokens[:, :-1]`` (the last position predicts nothing)."""
     model.zero_grad()
     prompts = [[row[0].input_id, row[0].label] for row in data.rows]
     rows = [prompts[p] + tokens for p, tokens in completions]
@@ -49,7 +57,7 @@ def _backward(model, data, completions, plan, mode, scale=1.0, constant=0.0):
     for i, (_, tokens) in enumerate(completions):
         mask[i, : len(tokens)] = True
     groups = torch.tensor([p for p, _ in completions])
-    rewards = torch.tensor([float((len(t) - 1) % 2) for _, t in completions], dtype=torch.float64)
+    rewards = torch.tensor([float(sum(i != EOS for i in t) % 2) for _, t in completions], dtype=torch.float64)
     adv = torch.zeros(S, dtype=torch.float64)
     for g in groups.unique():
         members = groups == g
@@ -62,12 +70,14 @@ def _backward(model, data, completions, plan, mode, scale=1.0, constant=0.0):
         x = torch.full((len(mb), width), PAD)
         for j, i in enumerate(mb.tolist()):
             x[j, : len(rows[i])] = torch.tensor(rows[i])
+        if drop_last:
+            x = x[:, :-1]
         forwards.append(x.clone())
         logp = torch.log_softmax(model(input_ids=x).logits.double(), -1)
         loss = 0.0
         for j, i in enumerate(mb.tolist()):
             n = len(completions[i][1])
-            labels = torch.tensor(rows[i][2:])
+            labels = torch.tensor(completions[i][1])
             picked = logp[j, torch.arange(1, 1 + n), labels]  # position 1 (the prompt's last id) predicts the first
             loss = loss - (w[i, :n] * adv[i] * picked).sum()
         loss.backward()
@@ -127,3 +137,109 @@ def test_control_a_factor_that_changes_between_runs_is_skewed(probe):
     report = _two_runs(probe, ("token", 1.0, 0.0), ("token", 1.1, 0.0))
     d = report.decision()
     assert report.exit_code == 1 and d.law == "varies" and report.verdict().startswith("SKEWED")
+
+
+def test_a_label_beyond_the_forward_is_read_from_the_gradient(probe):
+    """Fed ``tokens[:, :-1]``, each microbatch's longest rows lack their last label (EOS) in the input: the rows
+    whose group has an advantage show it in the gradient, and the trainer is read as dropping the last column."""
+    data, model = probe
+    completions = _completions(data)
+    plan = [[torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 6, 7])]]
+    run = read_generated(data, _backward(model, data, completions, plan, "token", drop_last=True))
+    assert run.drops is True and run.unsure == 0
+    assert [c.tokens for c in run.completions] == [t for _, t in completions]
+    fits = fit_modes(run)
+    assert fits["token"].distance < 1e-6 and fits["token"].factor == pytest.approx(1, abs=1e-6)
+
+
+def test_whole_rows_cut_at_the_maximum_end_at_the_edge(probe):
+    """A trainer that feeds whole rows leaves a row at the edge only where its maximum cut it: no label lies
+    beyond, and the gradient says so (the cut completion's group has an advantage)."""
+    data, model = probe
+    a = 100
+    completions = [(0, [a, a + 1, a + 2]), (0, [a + 3, a + 7, EOS]),   # cut at 3: rewards 1, 0
+                   (1, [a + 4, EOS]), (1, [a + 5, a + 6, EOS])]
+    plan = [[torch.arange(4)]]
+    run = read_generated(data, _backward(model, data, completions, plan, "token"))
+    assert run.drops is False
+    assert [c.tokens for c in run.completions] == [t for _, t in completions]
+    assert fit_modes(run)["token"].distance < 1e-6
+
+
+def _silent_edge(data, model, mode="token"):
+    """One microbatch fed ``tokens[:, :-1]`` whose longest row is in a group of equal rewards: no gradient on it."""
+    a = 100
+    completions = [(0, [a, EOS]), (0, [a + 1, a + 2, EOS]),              # rewards 1, 0
+                   (1, [a + 3, a + 4, a + 5, EOS]), (1, [a + 6, EOS])]   # 1, 1: advantages 0, the longest row
+    return completions, _backward(model, data, completions, [[torch.arange(4)]], mode, drop_last=True)
+
+
+def test_control_a_row_at_the_edge_with_no_gradient_is_unsure(probe):
+    """Nothing in its run says whether a label lies beyond: read as ending at the edge, the batch lacks its EOS and
+    every weight reads (N - 1) / N times `token`'s on the batch read (the control); told by another run, it reads
+    exactly."""
+    data, model = probe
+    completions, records = _silent_edge(data, model)
+    unsure = read_generated(data, records)
+    assert unsure.drops is None and unsure.unsure == 1
+    N = sum(len(t) for _, t in completions)
+    assert unsure.tokens == N - 1
+    assert fit_modes(unsure)["token"].factor == pytest.approx((N - 1) / N, rel=1e-6)  # the misread shows
+    told = read_generated(data, records, drops=True)
+    assert told.tokens == N and told.unsure == 0
+    assert fit_modes(told)["token"].factor == pytest.approx(1, abs=1e-6)
+
+
+def test_a_run_that_cannot_say_is_read_as_the_runs_that_can(probe):
+    data, model = probe
+    completions = _completions(data)
+    plan = [[torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 6, 7])]]
+    says = read_generated(data, _backward(model, data, completions, plan, "token", drop_last=True))
+    _, records = _silent_edge(data, model)
+    report = GeneratedReport("test", ["says", "silent"], [says, read_generated(data, records)], tol=1e-5)
+    assert report.runs[1].unsure == 0 and report.runs[1].drops is None
+    assert report.exit_code == 0 and report.decision().law == "exact"
+    assert "unsure" not in report.format()
+
+
+def test_a_cut_row_with_no_gradient_is_refused(probe):
+    """A row at the edge of a ``tokens[:, :-1]`` forward that the trainer's maximum cut (no EOS) in a group of
+    equal rewards: read as ending in EOS, its group's rewards would differ, so the readout refuses it."""
+    data, model = probe
+    a = 100
+    completions = [(0, [a, EOS]), (0, [a + 1, a + 2, EOS]),            # 1, 0: the gradient says the column drops
+                   (1, [a + 3, a + 4, a + 5, a + 6]), (1, [a + 7, a + 8, EOS])]  # cut at 4, 0; 0: advantages 0
+    records = _backward(model, data, completions, [[torch.tensor([0, 1]), torch.tensor([2, 3])]], "token",
+                        drop_last=True)
+    with pytest.raises(ReadoutError, match="maximum length cut it"):
+        read_generated(data, records, drops=True)
+
+
+def test_a_row_without_its_prompt_is_refused(probe):
+    """A prompt forwarded once and its completions apart (a shared KV cache): the rows cannot be placed."""
+    data, model = probe
+    records = _backward(model, data, _completions(data), [[torch.arange(8)]], "token")
+    records[0]["forwards"].append(torch.tensor([[100, 101, EOS, PAD]]))
+    with pytest.raises(ReadoutError, match="without its prompt"):
+        read_generated(data, records)
+
+
+def test_the_recorder_keeps_forwards_a_backward_reached_one_microbatch_per_backward(monkeypatch):
+    """Forwards 0 and 2, 3 (two chunks of one microbatch) feed losses; forward 1's output is never used."""
+    V = 256
+    monkeypatch.setattr(recorder, "_state", dict(vocab=V, forwards=[], backward_of=[], backwards=0, last="forward",
+                                                 embedding=None, done=False))
+    embedding = torch.nn.Embedding(V, V)
+    handle = embedding.register_forward_hook(recorder._on_forward)
+    try:
+        embedding(torch.tensor([[4, 5]])).sum().backward()
+        embedding(torch.tensor([[6, 7]]))  # with gradients, but no loss uses it
+        with torch.no_grad():
+            embedding(torch.tensor([[8, 9]]))  # sampling: not recorded at all
+        (embedding(torch.tensor([[10, 11]])).sum() + embedding(torch.tensor([[12, 13]])).sum()).backward()
+    finally:
+        handle.remove()
+    forwards, microbatches = recorder._used_forwards()
+    assert [f.tolist() for f in forwards] == [[[4, 5]], [[10, 11]], [[12, 13]]]
+    assert microbatches == [0, 1, 1]
+    assert len(recorder._state["forwards"]) == 4  # the control: the unused forward was recorded, then dropped
