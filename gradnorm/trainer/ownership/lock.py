@@ -92,6 +92,26 @@ def foreign_files(out: Path) -> list[Path]:
     return [] if not out.is_dir() or is_run(out) else [out / n for n in RUN_FILES if (out / n).exists()]
 
 
+PREVIOUS_MARKER = ".gradnorm-previous"
+"""The file inside previous_run/ that says the trainer made it: written before the first rename
+into it. A previous_run/ without it (a user's notes or backup, a symlink) is never moved into, out
+of, or deleted."""
+
+
+def made_previous(out: Path) -> bool:
+    """Whether ``out/previous_run`` is a directory the trainer made (not a symlink, its marker inside)."""
+    previous = out / PREVIOUS
+    return previous.is_dir() and not previous.is_symlink() and (previous / PREVIOUS_MARKER).is_file()
+
+
+def stranded(out: Path) -> bool:
+    """Whether ``out`` holds a stranded --overwrite: the trainer's previous_run/ holds the run an
+    --overwrite replaced, and the replacement stopped before its first complete checkpoint (killed
+    with no chance to move the old run back). The ways out: --resume puts the old run back and
+    continues it, --overwrite starts the replacement over."""
+    return made_previous(out) and not has_checkpoint(out)
+
+
 def has_checkpoint(out: Path) -> bool:
     """Whether ``out`` holds a complete checkpoint, the one thing that makes a run resumable."""
     return latest_checkpoint(out) is not None
