@@ -1,13 +1,24 @@
-"""Issue 54: whether the lines that a failed run prints name a way on that works as typed.
+"""Issue 54: whether the lines that ``--auto-resume``, ``--resume`` and a failed run print name a way
+on that works as typed.
 
-What must hold (gradnorm/trainer/guards/failures.py):
+What must hold (gradnorm/trainer/ownership/restart.py, history.py, guards/failures.py):
+- every refusal of --auto-resume names only ways that work: no ``--resume`` where there is no
+  checkpoint to resume from;
+- a finished run whose end-of-run export was killed: --auto-resume still exits 0 (a requeue of a
+  finished run must not fail), and its line names the export command, which, typed as named,
+  writes the export;
 - a failed write with no checkpoint (--save-every 0) says that there is nothing to resume and how
-  to start over, and that command works; with a checkpoint (the control) it names --resume, which works;
-- out of memory claims intact checkpoints only where there are some.
+  to start over, and that command works; with a checkpoint (the control) it names --resume, which works.
 """
 
 import errno
 import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tests.helpers.runfiles import metrics
@@ -17,6 +28,151 @@ from tests.reliability.test_disk_full import small_disk  # noqa: F401 (a fixture
 from gradnorm import train as train_module
 from gradnorm.train import main
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
+from gradnorm.trainer.ownership import lock
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+OLD = tiny(save_every="1")
+"""The run an --overwrite replaces: a checkpoint at every step."""
+
+NEW = tiny(save_every="2", seed="4")
+"""The replacement: another run (another seed), whose first checkpoint comes at step 2."""
+
+def ways_out(line: str) -> set[str]:
+    """The start flags a refusal names: each one a way out, to be typed in place of --auto-resume."""
+    return set(re.findall(r"(?<![\w-])--(?:resume|overwrite)(?![\w-])", line))
+
+
+def as_typed(line: str, way: str) -> bool:
+    """Whether ``line`` says how to type ``way``: beside --auto-resume it is refused ("drop --resume")."""
+    return f"{way} in place of --auto-resume" in line
+
+
+def instead(argv: list[str], flag: str) -> list[str]:
+    """``argv`` with --auto-resume replaced by ``flag``: the advice typed as it reads."""
+    assert "--auto-resume" in argv
+    return [flag if a == "--auto-resume" else a for a in argv]
+
+
+def copy_of(run: Path, where: Path) -> Path:
+    return Path(shutil.copytree(run, where, symlinks=True))
+
+
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["with-a-checkpoint", "without-one"])
+def test_files_without_config_json_name_only_ways_that_work(checkpoint, tmp_path, capsys):
+    """Issue 54, finding: every line --auto-resume prints names a way out that works. Files of a run
+    without a config.json were told "--resume to continue it anyway" with no checkpoint to resume
+    from; with one (the control), --resume is a way, and works."""
+    work = tmp_path / "run"
+    assert run_main(work, "--steps", "2", base=OLD) == 0
+    (work / "config.json").unlink()
+    if not checkpoint:
+        for ckpt in work.glob("ckpt_step*"):
+            shutil.rmtree(ckpt)
+    command = ["--steps", "3", "--auto-resume"]
+    capsys.readouterr()
+    assert run_main(work, *command, base=OLD) == 2
+    line = one_error_line(capsys.readouterr().err, "but no config.json to tell whether it is this run")
+    assert "--overwrite" in ways_out(line), line
+    for way in sorted(ways_out(line), reverse=True):
+        out = copy_of(work, tmp_path / way.strip("-"))
+        code = run_main(out, *instead(command, way), base=OLD)
+        assert code == 0, (line, capsys.readouterr().err)
+        assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+        assert as_typed(line, way), line
+    assert ("--resume" in ways_out(line)) == checkpoint, line  # resuming is a way only from a checkpoint
+
+
+def test_another_runs_directory_names_overwrite_in_place_of_auto_resume_and_that_works(tmp_path, capsys):
+    """Issue 54, finding: every line --auto-resume prints names a way out that works as typed; "or
+    --overwrite" beside --auto-resume is refused ("drop --overwrite"), so the line says in place of it."""
+    work = tmp_path / "run"
+    assert run_main(work, "--steps", "2", base=OLD) == 0
+    command = ["--steps", "2", "--auto-resume"]
+    capsys.readouterr()
+    assert run_main(work, *command, base=NEW) == 2
+    line = one_error_line(capsys.readouterr().err, "--auto-resume: the flags that define the run differ from")
+    assert ways_out(line) == {"--overwrite"} and as_typed(line, "--overwrite"), line
+    assert run_main(work, *command, "--overwrite", base=NEW) == 2  # the control: beside it, refused
+    assert "drop --overwrite" in capsys.readouterr().err
+    assert run_main(work, *instead(command, "--overwrite"), base=NEW) == 0
+    assert [m["step"] for m in metrics(work)] == [1, 2] and not (work / lock.PREVIOUS).exists()
+
+
+def test_resume_of_another_run_names_overwrite_in_place_of_resume_and_that_works(tmp_path, capsys):
+    """The same for --resume's refusal of another run: "or --overwrite" beside --resume is refused
+    ("give one of them"), so the line says in place of it, and that works as typed."""
+    work = tmp_path / "run"
+    assert run_main(work, "--steps", "2", base=OLD) == 0
+    command = ["--steps", "2", "--resume"]
+    capsys.readouterr()
+    assert run_main(work, *command, base=NEW) == 2
+    line = one_error_line(capsys.readouterr().err, "--resume: the flags that define the run differ from")
+    assert line.endswith("or start a new run (another --output-dir, or --overwrite in place of --resume)"), line
+    assert run_main(work, *command, "--overwrite", base=NEW) == 2  # the control: beside it, refused
+    assert "give one of them" in capsys.readouterr().err
+    assert run_main(work, *[a if a != "--resume" else "--overwrite" for a in command], base=NEW) == 0
+    assert [m["step"] for m in metrics(work)] == [1, 2] and not (work / lock.PREVIOUS).exists()
+
+
+# ------------------------------------------------------------------ a finished run whose export was killed
+
+def finished_hf_run(base: Path) -> tuple[Path, list[str]]:
+    """A Hugging Face run complete at --steps 1 (a tiny Llama, one real checkpoint) whose end-of-run
+    export was killed: ``.final.tmp`` is left, ``final/`` never written. Returns (the run, its flags)."""
+    transformers = pytest.importorskip("transformers")
+    import tiny_models  # examples/tiny_models.py (tests/conftest.py puts it on the path)
+    import torch
+
+    from gradnorm.dist import state as dist_state
+    from gradnorm.trainer.checkpoint import store
+    from gradnorm.trainer.config import parse_config
+    from gradnorm.trainer.guards import outpaths
+    from gradnorm.trainer.ownership.history import write_config
+
+    model_dir = tiny_models.build_tiny_llama(base / "model", seed=0)
+    prompts, run = base / "prompts.jsonl", base / "run"
+    prompts.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
+    flags = ["--model", str(model_dir), "--prompts", str(prompts), "--steps", "1", "--output-dir", str(run),
+             "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--warmup-steps", "0",
+             "--eval-prompts", "1", "--no-plot"]
+    run.mkdir()
+    (run / lock.MARKER).write_text('{"by": "gradnorm/train.py"}\n')
+    write_config(run, parse_config(flags), 1, 0)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    store.save(run, 1, dist_state.training_state(model, torch.optim.AdamW(model.parameters())), {"step": 1}, rank=0)
+    outpaths.create(outpaths.temporary(run / "final"))  # what a kill mid-export leaves: run/.final.tmp, marked
+    return run, flags
+
+
+@pytest.mark.launch
+def test_auto_resume_of_a_finished_run_with_a_killed_export_names_the_export_command(tmp_path, capsys):
+    """Issue 54, finding: --auto-resume of a run whose end-of-run export was killed said "complete at
+    step N: nothing to do", exit 0, and final/ was never written, where plain --resume names the
+    export command. Exit 0 stays; the line names the command, which, typed as named, writes final/."""
+    from gradnorm.trainer.guards import outpaths
+
+    run, flags = finished_hf_run(tmp_path)
+    assert main([*flags, "--auto-resume"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "nothing to do" in line]
+    assert len(said) == 1 and said[0].startswith(f"--auto-resume: {run} is complete at step 1 (--steps 1)"), said
+    typed = re.search(r"the run's export did not finish \(a killed export left .*\.final\.tmp\): (.*) writes it "
+                      r"from ckpt_step1$", said[0])
+    assert typed, said[0]
+    command = shlex.split(typed.group(1))
+    assert command[:3] == ["python", "-m", "gradnorm.export"], command
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the command as typed in a checkout
+    env = {**ENV, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert outpaths.is_export(run / "final") and (run / "final" / "model.safetensors").is_file()
+    # the control: with the export written, the same requeue has nothing more to name
+    assert main([*flags, "--auto-resume"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "nothing to do" in line]
+    assert said == [f"--auto-resume: {run} is complete at step 1 (--steps 1): nothing to do"], said
 
 
 # ------------------------------------------------------------------ a failed write, with and without a checkpoint
@@ -41,24 +197,26 @@ EXPLAINED_WITH_CFG = pytest.mark.xfail(strict=True, reason="Session._report does
 
 
 @EXPLAINED_WITH_CFG
-@pytest.mark.parametrize("save_every, says, way", [
-    ("0", "no checkpoint was written, so there is nothing to resume: start the run over (the same command with "
-          "--overwrite)", "--overwrite"),
-    ("1", "the checkpoints written so far are intact, and --resume continues from the latest once the cause is fixed",
-     "--resume"),
-], ids=["save-every-0", "control-a-checkpoint"])
-def test_a_failed_write_says_whether_there_is_a_checkpoint_to_resume_and_its_way_works(save_every, says, way,
-                                                                                     tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("flags, says, way", [
+    (["--save-every", "0"], "no checkpoint was written, so there is nothing to resume: start the run over (the same "
+                            "command with --overwrite)", ["--overwrite"]),
+    (["--save-every", "0", "--auto-resume"], "no checkpoint was written, so there is nothing to resume: start the "
+                                             "run over (the same command again)", []),
+    (["--save-every", "1"], "the checkpoints written so far are intact, and --resume continues from the latest once "
+                            "the cause is fixed", ["--resume"]),
+], ids=["save-every-0", "save-every-0-auto-resume", "control-a-checkpoint"])
+def test_a_failed_write_says_whether_there_is_a_checkpoint_to_resume_and_its_way_works(flags, says, way, tmp_path,
+                                                                                     monkeypatch, capsys):
     """Issue 54, finding: a run on a full disk with --save-every 0 was told "the checkpoints written so
     far are intact, --resume continues" when there were none (--resume then refused: no checkpoint)."""
     out = tmp_path / "run"
-    command = ["--steps", "3", "--save-every", save_every]
+    command = ["--steps", "3", *flags]
     with monkeypatch.context() as patched:
         full_disk_at(patched, 3)
         assert run_main(out, *command, base=FAILS) == 1
     one_error_line(capsys.readouterr().err, f"step 3: could not write a file of the run (No space left on device); "
                                             f"{says}")
-    assert run_main(out, *command, way, base=FAILS) == 0  # the way the line names, the cause gone
+    assert run_main(out, *command, *way, base=FAILS) == 0  # the way the line names, the cause gone
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
 
 

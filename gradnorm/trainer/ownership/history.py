@@ -78,35 +78,36 @@ def changed_flags(cfg: TrainConfig, old: dict) -> dict[str, list]:
             if name in old and not _same(name, old[name], value) and name not in ("resume", "overwrite")}  # how, not what
 
 
-def compare_resumed(cfg: TrainConfig, old: dict | None, world_size: int | None = None) -> None:
+def compare_resumed(cfg: TrainConfig, old: dict | None, world_size: int | None = None, by: str = "--resume") -> None:
     """A one-line ValueError naming every flag that defines the run and differs from ``old``.
 
     Under ``local`` the number of ranks defines the run too: its weights are 1 / (W A N[r, m]), so
     a resume on another W trains on another objective, as another --grad-accum-steps would (every
     other denominator is invariant to W: that is the point). ``world_size`` is this start's W;
-    ``old["world_size"]`` the latest start's.
+    ``old["world_size"]`` the latest start's. ``by``: the flag that asked for the resume, which the
+    line starts with and which its advice replaces (--overwrite beside it is refused).
     """
     if old is None:
         return
+    new_run = f"start a new run (another --output-dir, or --overwrite in place of {by})"
     denominator = old.get("loss_denominator", cfg.loss_denominator)
     before = old.get("world_size")
     if denominator == "local" and world_size is not None and isinstance(before, int) and before != world_size:
-        raise ValueError(f"--resume: {cfg.output_dir} trained with --loss-denominator local on {before} "
+        raise ValueError(f"{by}: {cfg.output_dir} trained with --loss-denominator local on {before} "
                          f"rank{'s' if before != 1 else ''}, and this start has {world_size}; under local the "
-                         "number of ranks changes the update, so resume it on the same number of ranks, or start "
-                         "a new run (another --output-dir, or --overwrite)")
+                         f"number of ranks changes the update, so resume it on the same number of ranks, or {new_run}")
     fixed = {name: pair for name, pair in changed_flags(cfg, old).items()
              if not changeable_on_resume(name, denominator)}
     digest = prompts_digest(cfg)
     if old.get("prompts_sha256") and digest and digest != old["prompts_sha256"] and "prompts" not in fixed:
-        raise ValueError(f"--resume: --prompts {cfg.prompts} is not the file this run trained on (its contents changed "
+        raise ValueError(f"{by}: --prompts {cfg.prompts} is not the file this run trained on (its contents changed "
                          f"since: sha256 {old['prompts_sha256'][:12]}... -> {digest[:12]}...); resume with the run's "
-                         "file, or start a new run (another --output-dir, or --overwrite)")
+                         f"file, or {new_run}")
     if fixed:
         listed = ", ".join(f"--{name.replace('_', '-')} {old_value} -> {new_value}"
                            for name, (old_value, new_value) in fixed.items())
-        raise ValueError(f"--resume: the flags that define the run differ from {cfg.output_dir}/config.json: {listed}; "
-                         "resume with the run's values, or start a new run (another --output-dir, or --overwrite)")
+        raise ValueError(f"{by}: the flags that define the run differ from {cfg.output_dir}/config.json: {listed}; "
+                         f"resume with the run's values, or {new_run}")
 
 
 def write_config(out: Path, cfg: TrainConfig, world_size: int, step: int) -> None:
@@ -146,13 +147,14 @@ def resume_point(cfg: TrainConfig, world_size: int | None = None) -> Path | None
     done = re.match(r"ckpt_step(\d+)", path.name)
     if done and int(done.group(1)) >= cfg.steps:
         raise ValueError(f"--resume: {path} is at step {done.group(1)} and --steps is {cfg.steps}: nothing to do; "
-                         f"raise --steps to continue the run{_unfinished_export(cfg, path)}")
+                         f"raise --steps to continue the run{unfinished_export(cfg, path)}")
     return path
 
 
-def _unfinished_export(cfg: TrainConfig, ckpt: Path) -> str:
+def unfinished_export(cfg: TrainConfig, ckpt: Path) -> str:
     """A finished run whose end-of-run export never completed (killed, or a full disk): the command
-    that writes it from the last checkpoint, for "nothing to do" to name."""
+    that writes it from the last checkpoint, for "nothing to do" to name ("" when the export is
+    there, or the run has none); --resume's refusal and --auto-resume's ``Complete`` both end with it."""
     out = cfg.export_dir
     if out is None or outpaths.is_export(out):
         return ""

@@ -10,11 +10,13 @@ and turns ``--auto-resume`` into what a person would have typed:
                                                           the run must equal config.json's)
     this run's files from before its first checkpoint     --overwrite: started over, the leftovers set
                                                           aside until the new first checkpoint
-    this run, complete at --steps                         nothing: ``Complete``, exit 0
+    this run, complete at --steps                         nothing: ``Complete``, exit 0 (naming the
+                                                          export command if its export is unfinished)
     another run, or files without a config.json           refused in one line
 
-Every rank takes the same decision before anything is written: it rests on whether a complete
-checkpoint exists, which no start changes (rank 0 may set leftovers aside, never a checkpoint).
+Every refusal names a way out that works as typed: the same command with ``--resume`` or
+``--overwrite`` in place of ``--auto-resume`` (beside it either is refused). Rank 0 alone resolves,
+before anything is written, and the other ranks learn the outcome.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from pathlib import Path
 
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
 from gradnorm.trainer.config import TrainConfig
-from gradnorm.trainer.ownership.history import compare_resumed, read_config
-from gradnorm.trainer.ownership.lock import PREVIOUS, run_records
+from gradnorm.trainer.ownership import lock
+from gradnorm.trainer.ownership.history import compare_resumed, read_config, unfinished_export
 
 
 class Complete(Exception):
@@ -41,24 +43,28 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     if not cfg.auto_resume:
         return cfg
     out = Path(cfg.output_dir)
+    owner = lock.live_owner(out / lock.LOCK) if out.is_dir() else None
+    if owner is not None:  # another run is writing it (an --overwrite in its warm-up looks stranded): not ours to read
+        raise ValueError(lock.in_use(out, owner))
     checkpoint = latest_checkpoint(out) if out.is_dir() else None
-    leftovers = (run_records(out) if out.is_dir() else []) + ([out / PREVIOUS] if (out / PREVIOUS).is_dir() else [])
+    previous = [out / lock.PREVIOUS] if (out / lock.PREVIOUS).is_dir() else []
+    leftovers = (lock.run_records(out) if out.is_dir() else []) + previous
     if checkpoint is None and not leftovers:
         return cfg  # the first start
     old = read_config(out)
     if old is None:
         names = ", ".join(p.name for p in (leftovers or [checkpoint])[:3])
+        resume = "--resume in place of --auto-resume to continue it anyway, " if checkpoint is not None else ""
         raise ValueError(f"--auto-resume: --output-dir {out} holds files of a run ({names}) but no config.json to "
-                         "tell whether it is this run: --resume to continue it anyway, --overwrite to replace it, or "
-                         "choose another --output-dir")
+                         f"tell whether it is this run: rerun with {resume}--overwrite in place of --auto-resume to "
+                         "replace it, or choose another --output-dir")
     resumed = dataclasses.replace(cfg, resume=True)
-    try:  # a run that died before its first checkpoint restarts from scratch, so its W does not matter
-        compare_resumed(resumed, old, world_size if checkpoint is not None else None)
-    except ValueError as err:
-        raise ValueError(str(err).replace("--resume:", "--auto-resume:", 1)) from None
+    # a run that died before its first checkpoint restarts from scratch, so its W does not matter
+    compare_resumed(resumed, old, world_size if checkpoint is not None else None, by="--auto-resume")
     if checkpoint is None:
         return dataclasses.replace(cfg, overwrite=True)
     step = int(re.match(r"ckpt_step(\d+)", checkpoint.name).group(1))
-    if step >= cfg.steps:
-        raise Complete(f"--auto-resume: {out} is complete at step {step} (--steps {cfg.steps}): nothing to do")
+    if step >= cfg.steps:  # exit 0 all the same: a requeue of a finished run must not fail
+        raise Complete(f"--auto-resume: {out} is complete at step {step} (--steps {cfg.steps}): nothing to do"
+                       f"{unfinished_export(cfg, checkpoint)}")
     return resumed
