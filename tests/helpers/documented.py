@@ -347,8 +347,10 @@ REGISTRY: dict[str, Entry] = {
                                     "(tests/helpers/jupyterlab.py) and drive it in Chromium"),
     ".venv/bin/jupyter lab notebooks/": Entry(("tests/notebooks/test_browser.py::test_notebook_slider_redraws_its_plot",),
                                               "as jupyter lab notebooks/"),
-    "make figures": Entry(("tests/notebooks/test_figures.py::test_output_is_deterministic",),
-                          "rewrites the committed figures/; the tests run each figure's function into tmp_path"),
+    "make figures": Entry(("tests/notebooks/test_figures.py::test_every_embedded_or_shown_figure_is_made_by_the_command",
+                           "tests/notebooks/test_figures.py::test_output_is_deterministic"),
+                          "rewrites the committed figures/ in place; the tests call figures/make_figures.py's "
+                          "functions and render into tmp_path"),
     # measurements
     "make bench": Entry((), BENCH),
     "make study": Entry((), BENCH),
