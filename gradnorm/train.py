@@ -174,10 +174,6 @@ def step_gradient(dp_model: torch.nn.Module, policy: Policy, batch: steps.Miniba
 def train(cfg: TrainConfig, ctx: comm.DistContext, ckpt_path: Path | None, run: RunState) -> None:
     """Build, then run the five steps of the module docstring for every optimizer step."""
     U = cfg.updates_per_rollout
-    try:  # every node's agent started its workers with its own command line: the same one?
-        launch.check_same_command(cfg)
-    except ValueError as err:
-        raise failures.InputError(str(err)) from None
     task, policy = build_policy(cfg, ctx.device, ctx.world_size, launch.local_ranks())
     model = policy.model
     # bf16 autocast around every forward pass (never the backward); log-softmax, loss weights and
@@ -283,9 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     kind of failure is reported once there, in one line, with its exit code (``trainer.session``).
     """
     with Session() as session:
-        cfg = session.read_config(argv)
-        cfg, ckpt_path = session.check(cfg)  # every rank the same checks, before any model exists
-        train(cfg, session.join(cfg), ckpt_path, session.run)
+        with preemption.exit_at_once():  # nothing trained yet: a signal ends a wait for peers or for rank 0 now
+            cfg = session.read_config(argv)
+            ctx = session.join(cfg)
+            cfg, ckpt_path = session.check(cfg)  # every rank's checks, then rank 0's decision, before any model
+        train(cfg, ctx, ckpt_path, session.run)
     return session.exit_code
 
 

@@ -260,6 +260,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+def first_failure(message: str | None) -> tuple[int, str] | None:
+    """(rank, message) of the lowest rank whose ``message`` is not None, the same on every rank; None
+    when every rank passed. Every rank calls it. Two collectives whatever W: a MIN all-reduce of one
+    number (the failing ranks' own numbers, W for a rank that passed), then that rank's line broadcast."""
+    if not _active():
+        return None if message is None else (0, message)
+    W = dist.get_world_size()
+    first = torch.tensor([W if message is None else dist.get_rank()], dtype=torch.int64)
+    on_device = first.cuda() if dist.get_backend() == "nccl" else first
+    dist.all_reduce(on_device, op=dist.ReduceOp.MIN)
+    rank = int(on_device.item())
+    return None if rank == W else (rank, broadcast_object(message, src=rank))
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s picklable ``obj`` on every rank (a small decision, not tensors); ``obj`` alone."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def global_counts(
     microbatches: Sequence[Tensor], lengths: Tensor, group_ids: Tensor, num_groups: int, denominator: Denominator,
 ) -> Counts | None:

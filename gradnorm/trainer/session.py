@@ -1,28 +1,38 @@
 """One run of gradnorm/train.py, from its command line to its exit code: ``Session``.
 
-``main()`` reads the config, checks it and trains. What surrounds that is here, behind one context
-manager: the checks every rank makes before any model exists, rank 0's hold on output-dir (the
-lock, and the run directory closed as succeeded or not), the process group (torn down after a
-failure is reported, since reporting one posts it to the peers), and the failure ladder: each kind
-of failure handled once, with its one ``error:`` line (``guards.failures``) and its exit code.
+``main()`` reads the config, joins the process group, checks and trains. What surrounds that is
+here, behind one context manager: the start every rank agrees on before any model exists (each
+rank's checks, then rank 0's decision about output-dir, which the others learn rather than read for
+themselves), rank 0's hold on output-dir (the lock, and the run directory closed as succeeded or
+not), the process group (torn down after a failure is reported, since reporting one posts it to the
+peers), and the failure ladder: each kind of failure handled once, with its one ``error:`` line
+(``guards.failures``) and its exit code.
 
     kind of failure               what raises it                                        exit code
-    a finished run, requeued      ``restart.Complete`` (--auto-resume)                  0
+    a finished run, requeued      ``restart.Complete`` (--auto-resume), on rank 0       0
     a stop                        ``preemption.Stopped`` (SIGTERM, SIGINT)              143, 130
-    bad input                     a ValueError before the process group exists,         2
-                                  or ``failures.InputError`` (found with the model)
-    output-dir takes no files     an OSError before the process group exists            1
+    bad input                     a ValueError while reading the flags; any rank's      2
+                                  check, or rank 0's decision, which every rank
+                                  learns; ``failures.InputError`` (found with the model)
+    output-dir takes no files     an OSError of rank 0's decision (a full disk)         1
     no process group              ``comm.setup`` (address, port, a peer never came)     1
     a failed run                  while training: a ValueError, ``TrainingError``,      1, posted to
                                   ``CheckpointError``, an OSError, out of memory          the peers
     a failed peer                 a collective's RuntimeError while training            1
+
+A signal before training starts ends the process at once (``preemption.exit_at_once``).
 
 Anything else is a bug, and its traceback is the report.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -36,8 +46,59 @@ from gradnorm.trainer.guards import failures, launch, memory, preemption, prefli
 from gradnorm.trainer.ownership import history, lock, restart
 
 
+WAIT_NOTICE_S = 3.0
+"""A join of the process group still waiting after this long says what it waits for (one host joins in
+well under a second)."""
+
+
 class _NoProcessGroup(Exception):
     """``comm.setup`` failed; its first line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    """What rank 0 made of output-dir, for every rank: the start's --resume and --overwrite (as
+    --auto-resume resolved them) and the checkpoint it continues from."""
+
+    resume: bool
+    overwrite: bool
+    checkpoint: Path | None
+
+
+class _Refused(Exception):
+    """The start ends before training, on every rank alike: ``code`` (0 for a finished run's requeue,
+    2 for bad input, 1 for a failed write), and the line of the rank that found it (``origin``)."""
+
+    def __init__(self, code: int, origin: int, message: str):
+        super().__init__(message)
+        self.code, self.origin, self.message = code, origin, message
+
+    def __reduce__(self):  # broadcast from rank 0 as a decision
+        return _Refused, (self.code, self.origin, self.message)
+
+    def report(self, rank: int) -> None:
+        """Rank 0 (and the first rank of each other node) prints the line at once; every other rank
+        already knows it, and waits for torchrun's stop so that it cannot end the job before rank 0 has
+        printed (``failures.report_error``)."""
+        if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
+            if self.code == 0:
+                print(self.message, file=sys.stderr, flush=True)
+            else:
+                said = self.message if self.origin == 0 else f"rank {self.origin}: {self.message}"
+                print(f"error: {said}", file=sys.stderr, flush=True)
+        elif self.code != 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(failures.GRACE_S)
+
+
+def _waiting(rank: int, world_size: int, timeout_s: float) -> None:
+    """The line of a join that is slow to complete (a timer thread prints it, so the wait goes on)."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    prefix = f"rank {rank}: " if rank != 0 else ""
+    print(f"{prefix}waiting for all {world_size} ranks to join at {where} (RANK={rank} WORLD_SIZE={world_size} from "
+          f"the environment), for up to --timeout-s {timeout_s:g} s; if no other rank is starting, these variables "
+          "are a leftover of another launch: stop this (Ctrl-C), unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT and "
+          "run one process, or launch with torchrun or srun", file=sys.stderr, flush=True)
 
 
 class Session:
@@ -63,30 +124,72 @@ class Session:
         self._cfg = parse_config(argv, self.world_size, prog="gradnorm/train.py")
         return self._cfg
 
-    def check(self, cfg: TrainConfig) -> tuple[TrainConfig, Path | None]:
-        """(the config to run, the checkpoint to resume from): every rank checks the same flags, files
-        and environment before any model exists; then rank 0 alone opens and locks output-dir."""
-        rank, world_size = self.rank, self.world_size
-        lock.settle(Path(cfg.output_dir), rank)  # a kill mid-move of a run: make it whole before anyone reads it
-        cfg = self._cfg = restart.resolve(cfg, world_size)
-        preflight.check_inputs(cfg)
-        lock.check(Path(cfg.output_dir), cfg.resume, cfg.overwrite, rank)
-        ckpt_path = history.resume_point(cfg, world_size)
-        memory.check_fits(cfg, world_size, launch.device_of(cfg), sharing=launch.local_ranks())
-        if rank == 0:  # rank 0 alone writes output-dir
-            self._run_dir = lock.RunDir(cfg.output_dir)
-            self._run_dir.open(cfg.resume, cfg.overwrite)
-        return cfg, ckpt_path
-
     def join(self, cfg: TrainConfig) -> comm.DistContext:
-        """The process group (none for one plain process), torn down when the session ends."""
+        """The process group (none for one plain process), torn down when the session ends.
+
+        Every rank joins before any rank checks anything, so that the ranks can agree on their checks
+        and learn rank 0's decision about output-dir (``check``). A join that has not completed
+        within ``WAIT_NOTICE_S`` says what it waits for: a launch whose peers never come (a stale
+        environment) would otherwise wait ``--timeout-s`` in silence.
+        """
         torch.set_num_threads(cfg.cpu_threads)
+        notice = threading.Timer(WAIT_NOTICE_S, _waiting, args=(self.rank, self.world_size, cfg.timeout_s))
+        notice.daemon = True
+        notice.start()
         try:
             self._ctx = comm.setup(backend=None if cfg.backend == "auto" else cfg.backend,
                                    device=None if cfg.device == "auto" else cfg.device, timeout_s=cfg.timeout_s)
         except (RuntimeError, ValueError) as err:  # the rendezvous failed (address, port, a peer that never came)
             raise _NoProcessGroup(first_line(err)) from err
+        finally:
+            notice.cancel()
         return self._ctx
+
+    def check(self, cfg: TrainConfig) -> tuple[TrainConfig, Path | None]:
+        """(the config to run, the checkpoint to resume from), the same on every rank.
+
+        Every rank checks what it alone can see (its flags against the others', the files the flags
+        name on its node, its memory), and the ranks agree: one failing rank fails them all, with its
+        line, before anything is written. Then rank 0 alone reads output-dir, takes the lock and
+        decides (``_decide``), and every other rank learns the decision: no two ranks look at the
+        directory at different moments of its start (one could see files the other had moved).
+        """
+        local = None
+        try:
+            launch.check_same_command(cfg)  # a collective: every rank gets the same answer
+            preflight.check_inputs(cfg)
+            memory.check_fits(cfg, self.world_size, launch.device_of(cfg), sharing=launch.local_ranks())
+        except ValueError as err:
+            local = str(err)
+        failed = comm.first_failure(local)
+        if failed is not None:
+            raise _Refused(2, *failed)
+        decided = comm.broadcast_object(self._decide(cfg) if self.rank == 0 else None)
+        if isinstance(decided, _Refused):
+            raise decided
+        cfg = self._cfg = dataclasses.replace(cfg, resume=decided.resume, overwrite=decided.overwrite)
+        return cfg, decided.checkpoint
+
+    def _decide(self, cfg: TrainConfig) -> _Decision | _Refused:
+        """Rank 0's decision about output-dir, or the refusal every rank exits with: finish a move a
+        kill interrupted, resolve --auto-resume, check, take the lock and set an old run aside (or
+        put it back), and find the checkpoint to resume from."""
+        out = Path(cfg.output_dir)
+        try:
+            lock.settle(out)  # a kill mid-move of a run: make it whole before reading it
+            cfg = restart.resolve(cfg, self.world_size)
+            lock.check(out, cfg.resume, cfg.overwrite)
+            checkpoint = history.resume_point(cfg, self.world_size)  # bad input leaves output-dir untouched
+            self._run_dir = lock.RunDir(out)
+            self._run_dir.open(cfg.resume, cfg.overwrite)
+            return _Decision(cfg.resume, cfg.overwrite, checkpoint)
+        except restart.Complete as done:  # a requeue of a finished run: nothing to do, exit 0
+            return _Refused(0, 0, str(done))
+        except ValueError as err:
+            return _Refused(2, 0, str(err))
+        except OSError as err:  # output-dir takes no more files (a full disk) as the run's first are written
+            return _Refused(1, 0, f"could not write {err.filename or out} ({err.strerror or err}); nothing was "
+                                  "trained: free space there, or choose another --output-dir")
 
     def __exit__(self, kind, err, tb) -> bool:
         try:
@@ -104,10 +207,9 @@ class Session:
     def _report(self, err: BaseException) -> int | None:
         """Print the one line of a failure; its exit code, or None for an error no rung expects."""
         joined, rank = self._ctx is not None, self.rank
-        if isinstance(err, restart.Complete):  # --auto-resume of a finished run: a requeue has nothing to do
-            if rank == 0:
-                print(err, file=sys.stderr, flush=True)
-            return 0
+        if isinstance(err, _Refused):  # the start ends before training, every rank agreed how (``check``)
+            err.report(rank)
+            return err.code
         if isinstance(err, preemption.Stopped):  # SIGTERM or SIGINT: checkpointed, one line, 143 or 130
             if rank == 0:
                 print(err, file=sys.stderr, flush=True)
@@ -115,11 +217,6 @@ class Session:
         if isinstance(err, failures.InputError) or (isinstance(err, ValueError) and not joined):  # bad input
             failures.report_error(str(err), 0 if isinstance(err, launch.NoLauncher) else rank)
             return 2
-        if isinstance(err, OSError) and not joined:  # output-dir takes no more files (a full disk) as the run's first are written
-            where = err.filename or (self._cfg.output_dir if self._cfg is not None else "output-dir")
-            failures.report_error(f"could not write {where} ({err.strerror or err}); nothing was trained: free "
-                                  "space there, or choose another --output-dir", rank)
-            return 1
         if isinstance(err, _NoProcessGroup):
             failures.report_error(f"could not join the process group ({err})", rank)
             return 1

@@ -70,9 +70,14 @@ class _Requests:
     def __init__(self):
         self.first: signal.Signals | None = None
         self.first_at = 0.0
+        self.at_once = False  # inside ``exit_at_once``: a signal ends the process, there is no step to finish
 
     def receive(self, signum: signal.Signals) -> None:
         now = time.monotonic()
+        if self.at_once:  # nothing trained, nothing to checkpoint: a wait in a rendezvous or for rank 0 ends now
+            _say(f"received {signum.name} before training started: exiting now (exit code {128 + signum}); "
+                 "nothing was trained", rank0_only=True)
+            os._exit(128 + int(signum))
         if self.first is None:
             self.first, self.first_at = signum, now
             _say(f"received {signum.name}: finishing this step, then checkpoint and exit "
@@ -131,6 +136,24 @@ def catch_signals() -> Iterator[None]:
         watcher.join(timeout=5)
         os.close(read_fd)
         _requests.__init__()
+
+
+@contextmanager
+def exit_at_once() -> Iterator[None]:
+    """Within the block a signal ends the process at once (exit 128 + its number, one line), though
+    ``catch_signals`` is in force: the trainer's start, before any step exists to finish.
+
+    There a process reads its flags, waits for its peers in the rendezvous, checks its inputs and
+    waits for rank 0's decision about output-dir, which rank 0 takes: every file it moves is
+    journalled, so a kill there is undone by the next start (``ownership.lock.settle``). Deferring
+    the signal to the end of a step that does not exist would only hold torchrun's SIGTERM until its
+    SIGKILL, 30 s later.
+    """
+    _requests.at_once = True
+    try:
+        yield
+    finally:
+        _requests.at_once = False
 
 
 def requested() -> signal.Signals | None:
