@@ -43,7 +43,7 @@ TRAILING_COMMENT = re.compile(r"\s+#\s.*$")  # `make demo   # the main job`: bas
 
 @dataclass(frozen=True)
 class Command:
-    """A command as a page shows it: ``text`` (whitespace collapsed), ``page`` (relative to the repository), ``line``."""
+    """A command as a page shows it: ``text`` (whitespace collapsed), ``page`` (from the repository root), ``line``."""
 
     text: str
     page: str
@@ -223,6 +223,7 @@ RESHARD = "tests/e2e/test_checkpoints.py::test_a_resumed_run_matches_the_uninter
 ELASTIC = "tests/reliability/test_auto_resume.py::test_an_elastic_restart_after_a_sigkill_continues_the_run_by_itself"
 TWO_NODES = "tests/e2e/test_topology.py::test_two_nodes_of_one_worker_train_as_one_node_of_two"
 SLURM = "tests/reliability/test_slurm_grace.py::test_node_sh_gives_torchrun_the_grace_period"
+BROWSER = "tests/notebooks/test_browser.py::test_notebook_slider_redraws_its_plot"
 
 SUITE = ("the test suite itself, or a part of it: .ci/run runs `make test`, `make test-trainers` and `make test-vllm` "
          "on a fresh clone; a test cannot run the suite that holds it")
@@ -260,8 +261,8 @@ REGISTRY: dict[str, Entry] = {
         "tests/unit/cli/test_user_code_exits.py::test_control_the_isolated_command_passes_on_a_real_report",)),
     "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/drop_in_ddp.py --denominator group":
         Entry((DROP_IN,)),
-    "torchrun --standalone --nproc_per_node=2": Entry((EXAMPLES_EXIT,), "the launcher the README gives the SFT and "
-                                                                      "DPO examples, which the test runs without flags"),
+    "torchrun --standalone --nproc_per_node=2": Entry(
+        (EXAMPLES_EXIT,), "the launcher the README gives the SFT and DPO examples, which the test runs without flags"),
     "python -m gradnorm.audit examples/drop_in_sft.py:sft_loss --objective sft": Entry((PROSE_AUDITS,)),
     "python -m gradnorm.audit examples/drop_in_dpo.py:dpo_loss --objective dpo": Entry((PROSE_AUDITS,)),
     # the audit
@@ -342,12 +343,11 @@ REGISTRY: dict[str, Entry] = {
     "/shared/runs/qwen7b --parallel fsdp --save-every 20": Entry((SLURM,), "needs Slurm; the test runs the script's "
                                                                           "node.sh with a stub for torchrun"),
     # docs/notebooks.md
-    "jupyter lab notebooks/": Entry(("tests/notebooks/test_browser.py::test_notebook_slider_redraws_its_plot",),
-                                    "a server a person works in; the browser tests start JupyterLab the same way "
-                                    "(tests/helpers/jupyterlab.py) and drive it in Chromium"),
-    ".venv/bin/jupyter lab notebooks/": Entry(("tests/notebooks/test_browser.py::test_notebook_slider_redraws_its_plot",),
-                                              "as jupyter lab notebooks/"),
-    "make figures": Entry(("tests/notebooks/test_figures.py::test_every_embedded_or_shown_figure_is_made_by_the_command",
+    "jupyter lab notebooks/": Entry((BROWSER,), "a server a person works in; the browser tests start JupyterLab "
+                                                "the same way (tests/helpers/jupyterlab.py) and drive it in Chromium"),
+    ".venv/bin/jupyter lab notebooks/": Entry((BROWSER,), "as jupyter lab notebooks/"),
+    "make figures": Entry(("tests/notebooks/test_figures.py::"
+                           "test_every_embedded_or_shown_figure_is_made_by_the_command",
                            "tests/notebooks/test_figures.py::test_output_is_deterministic"),
                           "rewrites the committed figures/ in place; the tests call figures/make_figures.py's "
                           "functions and render into tmp_path"),

@@ -53,10 +53,9 @@ def plan() -> dict[str, tuple[Prepare, int, int]]:
         "docs/audit.md: --script -- torchrun (SKEWED)": (lambda tmp: [script], 10, 1),
         "docs/audit.md: --trainer build_dropping (SKEWED)": (lambda tmp: [trainer], 10, 1),
     }
-    for name in ("ddp", "sft", "dpo"):  # the examples as the README shows them, with its launcher and no flags
-        found[f"README: drop_in_{name}.py"] = (
-            lambda tmp, name=name: [f"OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/drop_in_{name}.py"],
-            20, 0)
+    launcher = "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2"  # the README's, for the examples
+    for name in ("ddp", "sft", "dpo"):  # as the README shows them: its launcher and no flags
+        found[f"README: drop_in_{name}.py"] = (lambda tmp, name=name: [f"{launcher} examples/drop_in_{name}.py"], 20, 0)
     return found
 
 
