@@ -103,14 +103,10 @@ def local_ranks(environ=os.environ) -> int:
     return int(value)
 
 
-PER_START = ("resume", "overwrite")
-"""Flags ``--auto-resume`` may set differently on ranks that looked at the directory at different moments
-of its start (rank 0 may already have set a dead run's leftovers aside); they never change the run."""
-
-
 def flags_digest(cfg: TrainConfig) -> int:
-    """A 56-bit digest of every flag but ``PER_START``: equal on every rank of one command line."""
-    flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_START}
+    """A 56-bit digest of every flag: equal on every rank of one command line (compared before rank 0
+    resolves --auto-resume into --resume or --overwrite, which the other ranks then learn from it)."""
+    flags = cfg.to_dict()
     return int.from_bytes(hashlib.sha256(json.dumps(flags, sort_keys=True, default=str).encode()).digest()[:7], "big")
 
 

@@ -4,7 +4,7 @@ Clusters stop jobs with SIGTERM (SLURM, Kubernetes, and torchrun's agent, which 
 signal it gets to every worker), and people press Ctrl-C. Without this module either one would
 lose every step since the last ``--save-every`` checkpoint, and Ctrl-C would print a traceback.
 
-How a stop goes (the trainer uses this module in four lines):
+How a stop goes (the trainer uses this module in five lines):
 
  1. ``catch_signals()`` (around ``main()``) installs handlers for SIGTERM and SIGINT. The first
     signal only records a stop request; the step in flight goes on undisturbed, so no collective is
@@ -21,6 +21,9 @@ How a stop goes (the trainer uses this module in four lines):
     step that hangs. A copy of the first signal that arrives within ``DUPLICATE_S`` of it counts as
     the same request, because one stop can reach a worker twice (SLURM signals every process of a
     job while torchrun forwards the same signal to its workers).
+ 5. Before training starts (``exit_at_once``, around the start: the flags, the rendezvous, each
+    rank's checks and rank 0's decision about output-dir) there is no step to finish: the first
+    signal ends the process at once, with one line and the same exit code.
 
 The second signal is acted on by a watcher thread that reads the signal wakeup fd: CPython runs a
 Python-level handler only when the main thread executes bytecode, which it does not while it
