@@ -82,7 +82,7 @@ def setup(backend: str | None = None, device: str | None = None, timeout_s: floa
     backend = backend or default_backend(dev.type)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    global _store
+    global _store, _joined
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _rendezvous_store(rank, world_size, timeout)
@@ -92,6 +92,7 @@ def setup(backend: str | None = None, device: str | None = None, timeout_s: floa
         dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gradnorm/attempt_{_attempt()}", store),
                                 rank=rank, world_size=world_size, timeout=timeout)
         _store = store  # where a failing rank leaves its error for the others (``post_error``)
+        _joined = True
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
 
 
@@ -109,11 +110,15 @@ def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta) -
 
 
 def teardown() -> None:
-    """Leave the process group (call from a ``finally``)."""
-    global _store
+    """Leave the process group that ``setup`` joined (call from a ``finally``); one this module did
+    not create is left alone: in one plain process vLLM makes a group of its own, which its shutdown
+    destroys after the trainer's exit (destroyed here first, that shutdown raised "Invalid process
+    group specified" into the end of a run that had succeeded)."""
+    global _store, _joined
     _store = None
-    if dist.is_available() and dist.is_initialized():
+    if _joined and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _joined = False
 
 
 def exit_without_finalizing(code: int) -> NoReturn:
@@ -141,6 +146,7 @@ def exit_without_finalizing(code: int) -> NoReturn:
 # reports the failing rank's message instead of its own traceback.
 
 _store = None
+_joined = False  # whether ``setup`` created the default process group (``teardown`` destroys only that one)
 ERROR_KEY = "gradnorm/error/{attempt}/{rank}"  # per restart of the group: never an earlier attempt's error
 
 

@@ -192,10 +192,20 @@ def runs(setup, tmp_path_factory):
     plans = {"whole": (["--steps", str(STEPS)], 2), "half": (["--steps", str(HALF), "--save-every", str(HALF)], 2),
              "resumed": (["--resume", "--steps", str(STEPS)], 2), "one_rank": (["--steps", "1"], 1)}
     out = {"whole": tmp / "whole", "half": tmp / "half", "resumed": tmp / "half", "one_rank": tmp / "one_rank"}
+    stderr = {}
     for name, (flags, world_size) in plans.items():
         done = trainer_run(tmp, path, out[name], *flags, world_size=world_size)
         assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-    return {"whole": metrics(out["whole"]), "resumed": metrics(out["half"]), "one_rank": metrics(out["one_rank"])}
+        stderr[name] = done.stderr
+    return {"whole": metrics(out["whole"]), "resumed": metrics(out["half"]), "one_rank": metrics(out["one_rank"]),
+            "one_rank_stderr": stderr["one_rank"]}
+
+
+@pytest.mark.launch
+def test_a_one_process_run_ends_without_a_traceback(runs):
+    """Issue 54: the run exited 0 but ended in vLLM's shutdown traceback ("Invalid process group
+    specified"): the trainer had destroyed the group vLLM made for itself (comm.teardown)."""
+    assert "Traceback" not in runs["one_rank_stderr"], runs["one_rank_stderr"][-3000:]
 
 
 @pytest.mark.launch
