@@ -17,6 +17,7 @@ command too slow for the suite runs with the smaller flags its page names (``mak
 import json
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,10 @@ def test_the_pages_are_read_as_a_shell_and_markdown_read_them():
 
 
 # ------------------------------------------------------------------ the commands no other test ran
+#
+# Each test reads one job of this table: the commands it runs, each as typed, and what they printed. The
+# module starts the jobs of its selected tests at its first such test, two jobs at a time (a job's
+# independent commands start together), so a short launch's idle wall time overlaps another's work.
 
 
 def one(page: str, *needles: str, inline: bool | None = None) -> str:
@@ -109,36 +114,124 @@ def step_metrics(out: Path) -> dict:
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
+def demo_job(tmp: Path) -> list[subprocess.CompletedProcess]:
+    smaller = one("README.md", "DEMO_FLAGS=")  # the smaller flags the README says the suite uses
+    return run_typed(ROOT, fill(smaller, {"make ": "make " + make_flags(), "DIR": str(tmp / "grpo")}))
+
+
+def proof_job(tmp: Path) -> list[subprocess.CompletedProcess]:
+    """docs/training.md's three runs, then docs/testing.md's twin finder on them."""
+    block = shown(COMMANDS, "docs/training.md", "gradnorm/train.py --steps 1", inline=False)
+    runs = run_typed(ROOT, *(fill(command, {"runs/": f"{tmp}/runs/"}) for command in block))
+    if any(done.returncode for done in runs):
+        return runs
+    return runs + run_typed(ROOT, fill(one("docs/testing.md", "tests.helpers.twins"), {"/tmp/suite": str(tmp)}))
+
+
+def tiny_llama_job(tmp: Path) -> list[subprocess.CompletedProcess]:
+    """docs/huggingface.md's two commands in order (the run trains the model the first writes), then
+    docs/checkpoints.md's export of the run's step 2 ("Any checkpoint converts the same way")."""
+    build, train = shown(COMMANDS, "docs/huggingface.md", "tiny-llama", inline=False)
+    export = fill(one("docs/checkpoints.md", "gradnorm.export runs/"),
+                  {"runs/qwen7b-hf": "runs/hf", "runs/qwen7b": "runs/tiny-llama-grpo", "[--step 100]": "--step 2"})
+    done = []
+    for command in (build, train, export):
+        done += run_typed(ROOT, fill(command, {"runs/": f"{tmp}/runs/"}))
+        if done[-1].returncode:
+            break
+    return done
+
+
+def drop_in_job(tmp: Path) -> list[subprocess.CompletedProcess]:
+    """README's drop-in with --denominator group on 2 ranks and on 1 (`--nproc_per_node=1`), then both with local."""
+    two = one("README.md", "examples/drop_in_ddp.py --denominator group")
+    single = fill(two, {"--nproc_per_node=2": "--nproc_per_node=1"})
+    return run_typed(ROOT, two, single, *(fill(c, {"group": "local"}) for c in (two, single)))
+
+
+def audits_job(tmp: Path) -> list[subprocess.CompletedProcess]:
+    sft, dpo = (one("README.md", f"examples/drop_in_{name}.py") for name in ("sft", "dpo"))
+    return run_typed(ROOT, sft, dpo, one("README.md", "pair_mean_per_microbatch --objective dpo --microbatch-tokens 160"))
+
+
+def example_job(tmp: Path) -> list[subprocess.CompletedProcess]:
+    return run_typed(ROOT, "make " + make_flags() + "example")
+
+
+def step_path_job(tmp: Path) -> list[subprocess.CompletedProcess]:
+    return run_typed(ROOT, one("docs/design.md", "benchmarks/step_path.py"))
+
+
+# the longest chains first: a job that starts late should be a short one
+JOBS = {"tiny_llama": tiny_llama_job, "proof": proof_job, "drop_in": drop_in_job, "demo": demo_job,
+        "audits": audits_job, "step_path": step_path_job, "example": example_job}
+
+
+def reads(job: str):
+    """Marks a test as the reader of ``JOBS[job]`` (a plain attribute: the fixture starts what is selected)."""
+    def mark(test):
+        test.job = job
+        return test
+    return mark
+
+
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory):
+    """``ran(job)``: (its directory, its commands' results), each job run once; those of the module's
+    selected tests start together at first use, two jobs at a time."""
+    mine = [item for item in request.session.items if item.module is request.module]
+    wanted = [job for job in JOBS if any(getattr(item.function, "job", None) == job for item in mine)]
+    pool = ThreadPoolExecutor(2, thread_name_prefix="documented")
+    started = {}
+
+    def start(job: str):
+        directory = tmp_path_factory.mktemp(job)
+        return directory, pool.submit(JOBS[job], directory)
+
+    for job in wanted:
+        started[job] = start(job)
+
+    def result(job: str) -> tuple[Path, list[subprocess.CompletedProcess]]:
+        if job not in started:
+            started[job] = start(job)
+        directory, future = started[job]
+        return directory, future.result()
+
+    yield result
+    pool.shutdown(wait=True)
+
+
 @pytest.mark.launch
 @pytest.mark.slow
-def test_make_demo_runs_the_readmes_torchrun_command_and_prints_the_readmes_rewards(tmp_path):
+@reads("demo")
+def test_make_demo_runs_the_readmes_torchrun_command_and_prints_the_readmes_rewards(ran):
     readme = (ROOT / "README.md").read_text()
     assert "make demo" in shown(COMMANDS, "README.md", "make demo", inline=False)
-    smaller = one("README.md", "DEMO_FLAGS=")  # the smaller flags the README says the suite uses
-    (done,) = run_typed(ROOT, fill(smaller, {"make ": "make " + make_flags(), "DIR": str(tmp_path / "grpo")}))
+    tmp, (done,) = ran("demo")
     printed = ok(done)
     # make echoes the recipe: the README's own command, then DEMO_FLAGS
     recipe = one("README.md", ".venv/bin/torchrun", "--device cpu --overwrite")
-    assert f"{recipe} --steps 1 --output-dir {tmp_path / 'grpo'}\n" in done.stdout, done.stdout
+    assert f"{recipe} --steps 1 --output-dir {tmp / 'grpo'}\n" in done.stdout, done.stdout
     # what the README's demo table says the first steps print (seed 0, the default flags)
     table = dict(re.findall(r"^\| (random initialization|after the 40-step warm-up|GRPO step 1) \| ([\d.]+) \|$",
                             readme, re.M))
     assert f"warm-up: 40 supervised steps, sampled reward {table['random initialization']} -> " \
            f"{table['after the 40-step warm-up']}" in printed, printed
     assert f"step 1/1 reward {table['GRPO step 1']} " in printed, printed
-    assert step_metrics(tmp_path / "grpo")["step"] == 1
+    assert step_metrics(tmp / "grpo")["step"] == 1
 
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_the_proof_in_training_md_runs_as_typed_and_prints_its_numbers(tmp_path):
+@reads("proof")
+def test_the_proof_in_training_md_runs_as_typed_and_prints_its_numbers(ran):
     doc = (ROOT / "docs" / "training.md").read_text()
     block = shown(COMMANDS, "docs/training.md", "gradnorm/train.py --steps 1", inline=False)
     assert len(block) == 3 and block[0].startswith(one("README.md", ".venv/bin/python gradnorm/train.py") + " ")
-    runs = tmp_path / "suite"
-    for done in run_typed(ROOT, *(fill(command, {"runs/": f"{runs}/runs/"}) for command in block)):
-        ok(done)
-    w1, w2, local = (step_metrics(runs / "runs" / name) for name in ("w1", "w2", "local"))
+    tmp, done = ran("proof")
+    for result in done:
+        ok(result)
+    w1, w2, local = (step_metrics(tmp / "runs" / name) for name in ("w1", "w2", "local"))
     # "Measured: the same rollout (583 and 1724 response tokens on the two ranks), a gradient norm of
     # 0.51528 for `token` in one process and on 2 ranks x 2 microbatches, and 0.941 for `local`."
     said = re.search(r"the same rollout \((\d+) and (\d+) response tokens on the two ranks\), a gradient norm of\s+"
@@ -154,46 +247,40 @@ def test_the_proof_in_training_md_runs_as_typed_and_prints_its_numbers(tmp_path)
     assert f"{local['grad_norm']:.{len(local_norm.split('.')[1])}f}" == local_norm
     assert abs(local["grad_norm"] - w1["grad_norm"]) > 0.1 * w1["grad_norm"]  # the control: local differs
     # docs/testing.md's twin finder, on these runs: three uninterrupted runs, no two with the same flags
-    (done,) = run_typed(ROOT, fill(one("docs/testing.md", "tests.helpers.twins"), {"/tmp/suite": str(runs)}))
-    assert ok(done).splitlines()[0] == f"{runs}: 3 run directories, 3 uninterrupted; 0 sets of twins", done.stdout
+    assert len(done) == 4 and done[3].stdout.splitlines()[0] == \
+        f"{tmp}: 3 run directories, 3 uninterrupted; 0 sets of twins", done[3].stdout
 
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_the_tiny_llama_trains_and_exports_as_typed(tmp_path):
+@reads("tiny_llama")
+def test_the_tiny_llama_trains_and_exports_as_typed(ran):
     pytest.importorskip("transformers")
-    build, train = shown(COMMANDS, "docs/huggingface.md", "tiny-llama", inline=False)
-    runs = f"{tmp_path}/runs/"
-    for command in (build, train):  # in order: the run trains the model the first command writes
-        (done,) = run_typed(ROOT, fill(command, {"runs/": runs}))
-        printed = ok(done)
-    assert f"trained policy saved to {runs}tiny-llama-grpo/final (AutoModelForCausalLM.from_pretrained)" in printed
-    assert [line["step"] for line in map(json.loads, Path(runs, "tiny-llama-grpo", "metrics.jsonl").open())] == [1, 2]
-    # docs/checkpoints.md: "Any checkpoint converts the same way", here the tiny run's step 2
-    export = one("docs/checkpoints.md", "gradnorm.export runs/")
-    (done,) = run_typed(ROOT, fill(export, {"runs/qwen7b-hf": runs + "hf", "runs/qwen7b": runs + "tiny-llama-grpo",
-                                            "[--step 100]": "--step 2"}))
-    assert f"saved {runs}hf (AutoModelForCausalLM.from_pretrained)" in ok(done)
-    assert json.loads(Path(runs, "hf", "config.json").read_text())["model_type"] == "llama"
+    tmp, done = ran("tiny_llama")
+    build, train, export = (ok(result) for result in done)
+    runs = tmp / "runs"
+    assert f"trained policy saved to {runs}/tiny-llama-grpo/final (AutoModelForCausalLM.from_pretrained)" in train
+    assert [line["step"] for line in map(json.loads, (runs / "tiny-llama-grpo" / "metrics.jsonl").open())] == [1, 2]
+    assert f"saved {runs}/hf (AutoModelForCausalLM.from_pretrained)" in export
+    assert json.loads((runs / "hf" / "config.json").read_text())["model_type"] == "llama"
 
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_the_drop_in_with_a_denominator_prints_what_the_readme_says():
+@reads("drop_in")
+def test_the_drop_in_with_a_denominator_prints_what_the_readme_says(ran):
     # "prints the step's gradient norm, the same as `--nproc_per_node=1` prints (one rank, its 2 microbatches
     # twice as large); with `--denominator local` the two runs print different norms". (It once compared
     # `--nproc_per_node=1 ... --accum-steps 4`: the same 4 microbatches, so `local` printed the same norm too.)
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "the same as `--nproc_per_node=1` prints (one rank, its 2 microbatches twice as large); with " \
            "`--denominator local` the two runs print different norms" in readme
-    two = one("README.md", "examples/drop_in_ddp.py --denominator group")
-    single = fill(two, {"--nproc_per_node=2": "--nproc_per_node=1"})
-    commands = [two, single, *(fill(c, {"group": "local"}) for c in (two, single))]
+    _, done = ran("drop_in")
     norms = []
-    for done, mode, ranks in zip(run_typed(ROOT, *commands), ["group", "group", "local", "local"], [2, 1, 2, 1]):
-        ok(done)
-        line = re.fullmatch(rf"{mode}: gradient norm (\d+\.\d+) on {ranks} ranks x 2 microbatches\n", done.stdout)
-        assert line, done.stdout
+    for result, mode, ranks in zip(done, ["group", "group", "local", "local"], [2, 1, 2, 1]):
+        ok(result)
+        line = re.fullmatch(rf"{mode}: gradient norm (\d+\.\d+) on {ranks} ranks x 2 microbatches\n", result.stdout)
+        assert line, result.stdout
         norms.append(line[1])
     assert norms[0] == norms[1]
     assert norms[2] != norms[3]  # the control: local's norm depends on how the batch is split
@@ -201,21 +288,21 @@ def test_the_drop_in_with_a_denominator_prints_what_the_readme_says():
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_the_audits_the_readme_quotes_in_prose_say_what_it_says():
-    sft, dpo = (one("README.md", f"examples/drop_in_{name}.py") for name in ("sft", "dpo"))
-    pair_mean = one("README.md", "pair_mean_per_microbatch --objective dpo --microbatch-tokens 160")
-    done = run_typed(ROOT, sft, dpo, pair_mean)
+@reads("audits")
+def test_the_audits_the_readme_quotes_in_prose_say_what_it_says(ran):
     # "... say `INVARIANT`" (exit 0); the pair mean per microbatch "says `SKEWED`" (exit 1)
+    _, done = ran("audits")
     for result, verdict, code in zip(done, ["INVARIANT", "INVARIANT", "SKEWED"], [0, 0, 1]):
         assert result.returncode == code and result.stderr == "", (result.args[-1], result.stderr)
         assert result.stdout.splitlines()[-1].startswith(f"verdict: {verdict}"), result.stdout
 
 
 @pytest.mark.launch
-def test_make_example_prints_the_table_training_md_shows():
+@reads("example")
+def test_make_example_prints_the_table_training_md_shows(ran):
     doc = (ROOT / "docs" / "training.md").read_text()
     (table,) = re.findall(r"```\n( +mode \|.*?)```", doc, re.S)
-    (done,) = run_typed(ROOT, "make " + make_flags() + "example")
+    _, (done,) = ran("example")
     assert f".venv/bin/{one('docs/training.md', 'gradnorm.teach.worked_example')}\n" in ok(done)  # make's echo
     printed = [line.rstrip() for line in done.stdout.splitlines()]
     for line in table.splitlines():
@@ -224,10 +311,11 @@ def test_make_example_prints_the_table_training_md_shows():
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_step_path_prints_the_loops_own_lines():
+@reads("step_path")
+def test_step_path_prints_the_loops_own_lines(ran):
     # docs/design.md: it "prints the lines of train.py that make those calls (the count all-reduce, each
     # microbatch's weights, times W, and its backward among them)"
-    (done,) = run_typed(ROOT, one("docs/design.md", "benchmarks/step_path.py"))
+    _, (done,) = ran("step_path")
     loop = ok(done).split("the calls gradnorm/train.py made during step 2")[1]
     for call in ("global_counts", "w = token_weights(", "(W * w *", "loss.backward()"):
         assert call in loop, call
