@@ -46,7 +46,10 @@ def old_run(out: Path) -> dict[str, bytes]:
 
 
 def die(out: Path) -> None:
-    """What the kernel leaves of a killed owner: its lock, naming a pid that no longer runs."""
+    """What the kernel leaves of a killed owner: its lock, naming a pid that no longer runs, held by
+    no process. (The in-process "kill" keeps the RunDir's descriptor, and its flock, open: the lock
+    file is written anew so that what it held is not what the next start finds.)"""
+    (out / lock.LOCK).unlink(missing_ok=True)
     (out / lock.LOCK).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname(), "started": "then"}))
 
 
@@ -117,7 +120,8 @@ def test_a_move_that_runs_to_the_end_leaves_no_journal(tmp_path):
     run_dir = RunDir(out)
     run_dir.open(resume=False, overwrite=True)
     assert not (out / lock.JOURNAL).exists()
-    assert sorted(os.listdir(out / lock.PREVIOUS)) == sorted({Path(p).parts[0] for p in before})
+    # the old run's names, and the marker that says the trainer made previous_run/
+    assert sorted(os.listdir(out / lock.PREVIOUS)) == sorted({lock.PREVIOUS_MARKER, *{Path(p).parts[0] for p in before}})
     run_dir.close(succeeded=False)
     assert not (out / lock.JOURNAL).exists() and every_file(out) == before
 
@@ -181,7 +185,7 @@ def test_a_real_sigkill_inside_an_overwrite_then_resume_continues_the_old_run(tm
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr
     assert (out / lock.JOURNAL).is_file() and latest_checkpoint(out).name == "ckpt_step3"  # ckpt_step1 moved
-    assert sorted(os.listdir(out / lock.PREVIOUS)) == [lock.MARKER, "ckpt_step1"]
+    assert sorted(os.listdir(out / lock.PREVIOUS)) == sorted([lock.MARKER, lock.PREVIOUS_MARKER, "ckpt_step1"])
     # the next command is the --resume that "holds a run" suggests: it continues from the run's latest step
     assert main([*flags, "--steps", "4", "--resume"]) == 0
     assert "interrupted while it set the old run aside" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The run directory: never lose a run, never let two runs write one directory, remember every resume.
 
-Rules (rank 0 alone writes; every rank takes the same read-only decisions):
+Rules (rank 0 alone reads output-dir and writes it; the other ranks learn its decision):
 
 - A run is what the trainer marks as one: ``.gradnorm-run``, written before any other file of the
   run (or a checkpoint directory, or the config.json of a run from before the marker). A user's
@@ -10,20 +10,36 @@ Rules (rank 0 alone writes; every rank takes the same read-only decisions):
 - --overwrite deletes nothing up front: the old run's files and checkpoint directories (torn
   ``.ckpt_step*.tmp`` ones included) move to ``previous_run/`` and are deleted only once the new run
   has a complete checkpoint (``checkpoints.latest_checkpoint``: a renamed ``ckpt_step{N}/``, never
-  a ``.tmp``), at its end or at the next start. If the new run stops before that, its partial files
-  go and the old run moves back; after a crash that left no chance to do so (SIGKILL, perhaps
-  mid-save), the next start refuses with the way out.
+  a ``.tmp``), at its end or at the next start, with a ``warning:`` line that says so. If the new
+  run stops before that, its partial files go and the old run moves back. A move into
+  previous_run/ that fails (a read-only checkpoint, a mount point) is undone: what moved moves back
+  and ``MoveFailed`` names the file and the cause; the old run stays whole where it was.
+- The trainer deletes only what it can prove it wrote: it marks the previous_run/ it makes
+  (``.gradnorm-previous`` inside, written before the first rename into it). A previous_run that is
+  not so marked (a user's notes or backup, a symlink, a file, or one an older gradnorm left) is
+  never moved into, moved out of or deleted; a start that needs the name is refused in one line.
+- A stranded --overwrite (``stranded``: the trainer's previous_run/ holds the old run, and a kill
+  left the replacement without a checkpoint and no chance to move the old run back): a plain start
+  is refused naming both ways out; --resume puts the old run back (journalled, the replacement's
+  partial files deleted, a ``warning:`` line) and continues it from its latest checkpoint;
+  --overwrite starts the replacement over.
 - Moving a run is many renames, so each move is journalled first (``.overwrite-journal.json``,
   written whole by one rename): a kill between two renames leaves the journal, and the next start
-  (``settle``, before any rank reads the directory) finishes the move back, so the old run is whole
+  (``settle``, before anything reads the directory) finishes the move back, so the old run is whole
   again, and says so. No start ever sees half a run.
-- ``.lock`` holds the owner's pid and host. A second run on the directory refuses; a lock whose
-  pid is dead on this host is stale (a killed run) and is taken over with a warning.
+- ``.lock`` is held with ``flock`` for the owner's whole life (the kernel drops it when the process
+  dies, however it dies), and holds the owner's pid, host and start for the messages. Taking it is
+  one atomic step, so two starts that find a killed run's lock cannot both take it; a lock nobody
+  holds is stale (a killed run, or one whose write failed and left it empty) and is taken over with
+  a warning. A lock of another host, or one written without flock (an older gradnorm) whose pid is
+  alive, is respected. A failed write of the lock removes it.
 - --resume compares the flags that define the run with config.json (``gradnorm.trainer.ownership.history``);
   config.json keeps the latest values at the top level and every start in ``history``."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -36,6 +52,10 @@ from gradnorm.trainer.checkpoint.store import latest_checkpoint
 from gradnorm.trainer.guards.outpaths import FINAL, is_export
 
 LOCK = ".lock"
+
+
+class MoveFailed(Exception):
+    """--overwrite could not move the old run into previous_run/; the move is undone (one line)."""
 
 
 PREVIOUS = "previous_run"
@@ -118,23 +138,24 @@ def has_checkpoint(out: Path) -> bool:
 
 
 def check(out: Path, resume: bool, overwrite: bool, rank: int = 0) -> None:
-    """The read-only decision every rank takes before anything is written (after ``settle``); a
+    """The read-only decision rank 0 takes before anything is written (after ``settle``); a
     one-line ValueError.
 
-    On rank 0, the one that takes the lock, another run's live lock comes first: while an
-    --overwrite run is in its warm-up, previous_run/ exists and no checkpoint does, which is not a
-    stranded replacement but one still running. (Another rank may see its own job's rank 0 holding
-    the lock already, so it leaves the lock to rank 0, whose line is printed first.)
+    Another run's live lock comes first: while an --overwrite run is in its warm-up, previous_run/
+    exists and no checkpoint does, which is not a stranded replacement but one still running.
     """
     owner = live_owner(out / LOCK) if rank == 0 else None
     if owner is not None:
         raise ValueError(in_use(out, owner))
-    stranded = (out / PREVIOUS).is_dir() and not has_checkpoint(out)
-    if stranded and not overwrite:
-        raise ValueError(f"{out / PREVIOUS} holds the run that an --overwrite replaced, and the replacement "
-                         f"stopped before its first checkpoint: move everything in {PREVIOUS}/ back into {out} to keep "
-                         "the old run, or give --overwrite again to start over")
-    foreign = foreign_files(out) if not (out / PREVIOUS).is_dir() else []  # previous_run/: a run was here
+    previous = out / PREVIOUS
+    if stranded(out) and not overwrite and not resume:
+        kept = latest_checkpoint(previous)
+        resume_does = (f"put the old run back and continue it from its latest checkpoint {kept.name}" if kept else
+                       "put the old run back (it has no checkpoint, so nothing trains: it is only restored)")
+        raise ValueError(f"{previous}/ holds the run that an --overwrite replaced, and the replacement stopped before "
+                         f"its first checkpoint: rerun with --resume to {resume_does}, or with --overwrite to start "
+                         "the replacement over (the old run is deleted at its first checkpoint)")
+    foreign = foreign_files(out) if not made_previous(out) else []  # previous_run/: a run was here
     if foreign:
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in foreign)
         raise ValueError(f"--output-dir {out} holds {names}, which no gradnorm run wrote (there is no {MARKER}); "
@@ -144,6 +165,25 @@ def check(out: Path, resume: bool, overwrite: bool, rank: int = 0) -> None:
         names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
         raise ValueError(f"--output-dir {out} holds a run ({names}): --resume to continue it, --overwrite to "
                          "replace it, or choose another --output-dir")
+    if overwrite and not made_previous(out) and run_files(out):
+        _refuse_foreign_previous(out)
+
+
+def _refuse_foreign_previous(out: Path) -> None:
+    """--overwrite is about to set the old run aside into previous_run/: a previous_run the trainer
+    did not make (a file, a symlink, a user's directory) is refused before anything moves."""
+    previous = out / PREVIOUS
+    if previous.is_symlink():
+        what = f"a symlink (to {os.readlink(previous)})"
+    elif previous.is_dir():
+        what = f"a directory the trainer did not make (no {PREVIOUS_MARKER} in it: yours, or an older gradnorm's)"
+    elif previous.exists():
+        what = "a file"
+    else:
+        return
+    raise ValueError(f"--overwrite sets the old run in {out} aside into {previous}, and {previous} is {what}, which "
+                     f"the trainer never moves into or deletes: rename it (mv {previous} {previous}.kept) and rerun, "
+                     "or choose another --output-dir")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -165,27 +205,33 @@ class RunDir:
         """Directories this process created (removed again if they are still empty at the end)."""
         self.locked = False
         self.fresh = True
+        """Whether the run files in output-dir are this run's own (a failed fresh start removes them):
+        not while an old run is still in place (an --overwrite before or after a failed set-aside)."""
+        self._fd: int | None = None
 
     def open(self, resume: bool, overwrite: bool) -> None:
-        """Create the directory, take the lock, then settle previous_run/ (raises a one-line ValueError)."""
+        """Create the directory, take the lock, then settle previous_run/: delete it (the replacement
+        has a checkpoint), put the old run back (--resume of a stranded --overwrite) or set the old run
+        aside into it (--overwrite). A one-line ValueError; ``MoveFailed`` when a move is undone."""
         missing = [p for p in [self.out, *self.out.parents] if not p.exists()]
         self.out.mkdir(parents=True, exist_ok=True)
-        self.created, self.fresh = missing, not resume  # deepest first
+        self.created = missing  # deepest first
+        self.fresh = not resume and not run_files(self.out)
         self._lock()
         previous = self.out / PREVIOUS
-        if previous.is_dir() and has_checkpoint(self.out):  # its replacement reached a checkpoint
-            shutil.rmtree(previous)
-        if overwrite:
-            if previous.is_dir():  # a replacement stranded without a checkpoint: its partial files go
+        if made_previous(self.out) and has_checkpoint(self.out):  # its replacement reached a checkpoint
+            self._drop_previous()
+        if resume and stranded(self.out):
+            self._put_back()
+        elif overwrite:
+            if made_previous(self.out):  # a replacement stranded without a checkpoint: its partial files go
                 self._remove(run_files(self.out))
             elif run_files(self.out):
-                names = [p.name for p in run_files(self.out)]
-                with _journal(self.out, "aside", names):
-                    previous.mkdir()
-                    for name in names:
-                        _rename(self.out / name, previous / name)
+                _refuse_foreign_previous(self.out)
+                self._set_aside([p.name for p in run_files(self.out)])
                 print(f"warning: --overwrite: the previous run in {self.out} is in {previous}/ until this run's "
                       "first checkpoint exists", file=sys.stderr, flush=True)
+            self.fresh = True
         if not (self.out / MARKER).is_file():  # before any other file of this run
             (self.out / MARKER).write_text(json.dumps({"by": "gradnorm/train.py", "started": now()}) + "\n")
 
@@ -195,8 +241,7 @@ class RunDir:
             try:
                 self._settle(succeeded)
             finally:
-                (self.out / LOCK).unlink(missing_ok=True)
-                self.locked = False
+                self._unlock()
         if not succeeded:
             for path in self.created:  # nothing half-written: a directory we made and left empty goes
                 try:
@@ -205,51 +250,125 @@ class RunDir:
                     break
 
     def _settle(self, succeeded: bool) -> None:
-        previous = self.out / PREVIOUS
-        if previous.is_dir():
+        if made_previous(self.out):
             if has_checkpoint(self.out):
-                shutil.rmtree(previous)
+                self._drop_previous()
             elif not succeeded:
-                _move_back(self.out, [p.name for p in run_files(self.out)], sorted(os.listdir(previous)))
+                _move_back(self.out, [p.name for p in run_files(self.out)], _moved_names(self.out / PREVIOUS))
                 print(f"warning: this run stopped before its first checkpoint; the previous run is back in "
                       f"{self.out}", file=sys.stderr, flush=True)
         elif not succeeded and self.fresh and not has_checkpoint(self.out) and not _logged(self.out):
             self._remove(run_files(self.out))  # a fresh run that failed before its first step leaves nothing
 
-    def _lock(self) -> None:
-        path, me = self.out / LOCK, {"pid": os.getpid(), "host": socket.gethostname(), "started": now()}
-        for _ in range(2):
+    def _drop_previous(self) -> None:
+        previous = self.out / PREVIOUS
+        shutil.rmtree(previous)
+        print(f"warning: {self.out} holds a checkpoint of the run that replaced the one in {previous}/ "
+              f"({latest_checkpoint(self.out).name}), so that old run is deleted now: {previous}/ is gone",
+              file=sys.stderr, flush=True)
+
+    def _put_back(self) -> None:
+        """--resume of a stranded --overwrite: the replacement's partial files go, the old run comes back."""
+        previous = self.out / PREVIOUS
+        discard = [p.name for p in run_files(self.out)]
+        _move_back(self.out, discard, _moved_names(previous))
+        print(f"warning: --resume: {previous}/ held the run that an --overwrite replaced, and the replacement stopped "
+              f"before its first checkpoint; the replacement's files ({', '.join(discard) or 'none'}) are deleted and "
+              f"the old run is back in {self.out}", file=sys.stderr, flush=True)
+
+    def _set_aside(self, names: list[str]) -> None:
+        """Move the old run's ``names`` into a new, marked previous_run/, journalled; a failed move is
+        undone (what moved moves back, previous_run/ and the journal go) and raises ``MoveFailed``."""
+        previous, moved = self.out / PREVIOUS, []
+        try:
+            with _journal(self.out, "aside", names):
+                previous.mkdir()
+                _write_whole(previous / PREVIOUS_MARKER, json.dumps({"by": "gradnorm/train.py", "of": str(self.out),
+                                                                     "made": now()}) + "\n")
+                for name in names:
+                    _rename(self.out / name, previous / name)
+                    moved.append(name)
+        except OSError as err:
+            if err.filename2 is not None:  # a rename: err.filename is what would not move
+                what = f"move {err.filename} into {previous}/"
+            elif err.filename == str(previous):
+                what = f"make {previous}/"
+            else:
+                what = f"write {err.filename or self.out}"
+            why = err.strerror or str(err)
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                _move_back(self.out, [], moved, journalled=False)
+                (self.out / JOURNAL).unlink(missing_ok=True)
+                (self.out / (JOURNAL + ".tmp")).unlink(missing_ok=True)
+            except OSError as again:
+                raise MoveFailed(f"--overwrite: could not {what} ({why}), and moving back what had moved failed too "
+                                 f"({again.strerror or again}); the next start in {self.out} finishes the move back "
+                                 f"(its {JOURNAL} records it)") from err
+            raise MoveFailed(f"--overwrite: could not {what} ({why}); nothing is moved or deleted: the old run is "
+                             f"whole in {self.out}; make it movable, or choose another --output-dir") from err
+
+    def _lock(self) -> None:
+        """Take ``.lock`` in one atomic step: an exclusive flock on the file that the path names when
+        the lock is held (checked after locking: another start may have removed and recreated it);
+        then write this process's pid, host and start whole, or remove the lock if that fails."""
+        path = self.out / LOCK
+        deadline = time.monotonic() + 1.0  # a moment, for a probe's shared lock (``live_owner``) to pass
+        while True:
+            try:
+                fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
             except FileExistsError:
-                owner = live_owner(path)
-                if owner is None:
-                    stale = _read_lock(path)
-                    print(f"warning: {path} was left by pid {stale['pid']}, which is no longer running (a killed "
-                          "run); taking it over", file=sys.stderr, flush=True)
-                    path.unlink(missing_ok=True)
+                try:
+                    fd, created = os.open(path, os.O_RDWR), False
+                except FileNotFoundError:  # its owner released it just now
                     continue
-                raise ValueError(in_use(self.out, owner)) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.locked = True
-            return
-        raise ValueError(f"--output-dir {self.out}: could not take the lock {path}; another run took it first")
+            held = _flock(fd, fcntl.LOCK_EX)
+            if held is True:
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                raise ValueError(in_use(self.out, _read_lock(path), held=True))
+            if not _names(path, fd):  # another start removed the file we locked: lock the one there now
+                os.close(fd)
+                continue
+            break
+        stale = None if created else _read_lock(path)
+        if stale is not None and (os.fstat(fd).st_size or stale):
+            if not _stale(stale, held):
+                os.close(fd)
+                raise ValueError(in_use(self.out, stale))
+            print(f"warning: {path} {_left_by(stale)}; taking it over", file=sys.stderr, flush=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": now(), "flock": held is not None}
+        try:
+            _rewrite(fd, json.dumps(me))
+        except OSError as err:  # a full disk: never leave an empty or torn lock behind
+            path.unlink(missing_ok=True)
+            os.close(fd)
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        self._fd, self.locked = fd, True
+
+    def _unlock(self) -> None:
+        """Remove the lock, then let go of it: a start that opened it meanwhile finds its path gone and retries."""
+        try:
+            (self.out / LOCK).unlink(missing_ok=True)
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd, self.locked = None, False
 
     @staticmethod
     def _remove(paths: list[Path]) -> None:
         for path in paths:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def settle(out: Path, rank: int = 0, wait_s: float = 60.0) -> None:
-    """Finish a move of a run that a kill interrupted, before any rank reads ``out``.
+    """Finish a move of a run that a kill interrupted, before anything reads ``out``.
 
     Rank 0 takes the lock (a live run's lock is respected: that run is still moving it) and moves
     everything back: an interrupted set-aside (the replacement had not started) and an interrupted
     move back (the replacement had stopped before its first checkpoint) both end with the old run
-    whole in ``out`` and no previous_run/, which a warning says. Every other rank waits until the
-    journal is gone, so no rank takes a decision from half a run.
+    whole in ``out`` and no previous_run/, which a warning says.
     """
     journal = out / JOURNAL
     try:
@@ -273,17 +392,22 @@ def settle(out: Path, rank: int = 0, wait_s: float = 60.0) -> None:
         _move_back(out, entry["discard"] if entry["move"] == "back" else [], entry["names"], journalled=False)
         journal.unlink()
     finally:
-        (out / LOCK).unlink(missing_ok=True)
-        run_dir.locked = False
+        run_dir._unlock()
     what = "set the old run aside" if entry["move"] == "aside" else "put the old run back"
     print(f"warning: an --overwrite of {out} was interrupted while it {what}; the move is undone and the old run "
           f"is whole in {out} again", file=sys.stderr, flush=True)
 
 
+def _moved_names(previous: Path) -> list[str]:
+    """What the trainer moved into its previous_run/: everything there but its marker."""
+    return sorted(name for name in os.listdir(previous) if name != PREVIOUS_MARKER)
+
+
 def _move_back(out: Path, discard: list[str], names: list[str], journalled: bool = True) -> None:
     """Delete the replacement's files ``discard`` from ``out`` and move the old run's ``names`` back
-    from previous_run/, journalled so that ``settle`` can finish it after a kill. Safe to repeat: a
-    name already back is not deleted again (it is the old run's now) and not moved again."""
+    from previous_run/, journalled so that ``settle`` can finish it after a kill; previous_run/ goes
+    once it holds nothing but its marker. Safe to repeat: a name already back is not deleted again
+    (it is the old run's now) and not moved again."""
     previous = out / PREVIOUS
 
     def move():
@@ -298,7 +422,8 @@ def _move_back(out: Path, discard: list[str], names: list[str], journalled: bool
         for name in names:
             if (previous / name).exists() or (previous / name).is_symlink():
                 _rename(previous / name, out / name)
-        if previous.is_dir() and not any(previous.iterdir()):
+        if previous.is_dir() and not previous.is_symlink() and not _moved_names(previous):
+            (previous / PREVIOUS_MARKER).unlink(missing_ok=True)
             previous.rmdir()
 
     if journalled:
@@ -315,12 +440,7 @@ class _journal:
         self.out, self.entry = out, {"move": move, "names": list(names), "discard": list(discard)}
 
     def __enter__(self):
-        tmp = self.out / (JOURNAL + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.entry, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out / JOURNAL)  # the journal exists whole or not at all
+        _write_whole(self.out / JOURNAL, json.dumps(self.entry))  # the journal exists whole or not at all
         _sync_dir(self.out)
 
     def __exit__(self, kind, err, tb):
@@ -328,6 +448,20 @@ class _journal:
             _sync_dir(self.out)
             (self.out / JOURNAL).unlink()
         return False
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or does not exist: written beside it, synced, renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _rename(src: Path, dst: Path) -> None:
@@ -370,19 +504,86 @@ def _logged(out: Path) -> bool:
     return metrics.is_file() and metrics.stat().st_size > 0
 
 
+def _flock(fd: int, how: int) -> bool | None:
+    """Try ``flock(fd, how | LOCK_NB)``: False when this process now has it, True when another
+    process holds the lock, None when the file system has no flock (then the pid rule alone decides)."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as err:
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return None
+        raise
+    return False
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        now_there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (now_there.st_dev, now_there.st_ino)
+
+
+def _rewrite(fd: int, text: str) -> None:
+    os.ftruncate(fd, 0)
+    data = text.encode()
+    if os.pwrite(fd, data, 0) != len(data):  # a short write is a full disk too
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), LOCK)
+    os.fsync(fd)
+
+
+def _stale(owner: dict, held: bool | None) -> bool:
+    """Whether a lock that no process holds by flock (``held`` False; None: no flock here) is a dead
+    run's. Empty or torn: its writer failed or died (with flock, for certain). One written under
+    flock on this host: its owner is gone, whatever its pid now names. One of another host: that host
+    alone can tell, so it is respected. Written without flock (an older gradnorm): its pid decides."""
+    if held is None:
+        return owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) \
+            and not _pid_alive(owner["pid"])
+    if not owner:
+        return True
+    if owner.get("host") != socket.gethostname():
+        return False
+    return bool(owner.get("flock")) or (isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]))
+
+
+def _left_by(owner: dict) -> str:
+    if not owner:
+        return "is empty or torn (a start whose write of it failed, e.g. on a full disk) and no process holds it"
+    if owner.get("flock"):
+        return f"was left by pid {owner.get('pid')}, which no longer holds it (a killed run)"
+    return f"was left by pid {owner.get('pid')}, which is no longer running (a killed run)"
+
+
 def live_owner(path: Path) -> dict | None:
-    """The owner recorded in the lock ``path``, unless there is no lock or it is provably stale: its
-    pid is dead on this host (a killed run). A lock of another host, or a torn one, is respected."""
-    if not path.exists():
+    """The owner recorded in the lock ``path``, unless there is no lock or it is stale: no process
+    holds it (``_stale`` says which of those are a dead run's). A held lock is live whatever it says."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
         return None
-    owner = _read_lock(path)
-    stale = owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"])
-    return None if stale else owner
+    except OSError:  # unreadable: not provably stale, so it is respected
+        return {}
+    try:
+        held = _flock(fd, fcntl.LOCK_SH)
+        owner = _read_lock(path)
+    finally:
+        os.close(fd)  # a shared lock taken only to look goes with the descriptor
+    if held:
+        return owner
+    return None if _stale(owner, held) else owner
 
 
-def in_use(out: Path, owner: dict) -> str:
-    who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
-    return (f"--output-dir {out} is in use by another run ({who}, since {owner.get('started', '?')}); wait for it, "
+def in_use(out: Path, owner: dict, held: bool = False) -> str:
+    if "pid" in owner or not held:
+        who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}, since {owner.get('started', '?')}"
+    else:
+        who = "one starting now, still writing its lock"
+    return (f"--output-dir {out} is in use by another run ({who}); wait for it, "
             f"or delete {out / LOCK} if that run is gone")
 
 
@@ -390,7 +591,7 @@ def _read_lock(path: Path) -> dict:
     try:
         owner = json.loads(path.read_text())
         return owner if isinstance(owner, dict) else {}
-    except (OSError, ValueError):  # torn or foreign: not provably stale, so it is respected
+    except (OSError, ValueError):  # torn or foreign: {}
         return {}
 
 
