@@ -11,7 +11,10 @@ The rest run the commands that no other test ran, through bash from the reposito
 virtual environment's bin/ first on PATH (an activated venv), each output directory the page makes up
 (``runs/w1``) moved into tmp_path, and check the exit status and what the page says it prints. A
 command too slow for the suite runs with the smaller flags its page names (``make demo`` with
-``DEMO_FLAGS="--steps 1 ..."``). Commands that answer one test start together.
+``DEMO_FLAGS="--steps 1 ..."``). Each test reads one job of the table ``JOBS``; the jobs of the
+selected tests start at the module's first, two at a time. One run of each catches a launch that fails
+now and then only by chance: ``python -m tests.helpers.repeat_commands`` runs the multi-process ones
+10 (the drop-in examples 20) times in a row and counts the exits.
 """
 
 import json
@@ -151,7 +154,8 @@ def drop_in_job(tmp: Path) -> list[subprocess.CompletedProcess]:
 
 def audits_job(tmp: Path) -> list[subprocess.CompletedProcess]:
     sft, dpo = (one("README.md", f"examples/drop_in_{name}.py") for name in ("sft", "dpo"))
-    return run_typed(ROOT, sft, dpo, one("README.md", "pair_mean_per_microbatch --objective dpo --microbatch-tokens 160"))
+    pair_mean = one("README.md", "pair_mean_per_microbatch --objective dpo --microbatch-tokens 160")
+    return run_typed(ROOT, sft, dpo, pair_mean)
 
 
 def example_job(tmp: Path) -> list[subprocess.CompletedProcess]:
