@@ -42,8 +42,9 @@ def _run(denominator: str, model_path, data_path, output_dir, accum_steps, world
                  "--reward", "gradnorm.audit.trainer.data:parity_of_response", "--group-size", "2",
                  "--prompts-per-step", str(completions // 2), "--grad-accum-steps", str(accum_steps),
                  "--loss-denominator", denominator, "--max-new-tokens", str(MAX_NEW_TOKENS), "--steps", "1",
-                 "--no-plot", "--export-hf", "none", "--device", "cpu", "--output-dir", str(output_dir),
-                 "--save-every", "0", "--gradient-checkpointing", "--seed", str(world_size * accum_steps - 1)])
+                 "--eval-prompts", "2", "--no-plot", "--export-hf", "none", "--device", "cpu",
+                 "--output-dir", str(output_dir), "--save-every", "0", "--gradient-checkpointing",
+                 "--seed", str(world_size * accum_steps - 1)])
 
 
 def build(model_path, data_path, *, output_dir, world_size, accum_steps, per_device_batch):

@@ -14,7 +14,11 @@ run (the Decision's "advantages" law, INVARIANT). Hence:
 - ``local``, the control that must fail: 1/(W*A*N[r,m]), a microbatch's own mean: at W = A = 1 it is 1/N,
   under W=2 A=2 it is `local` and not `token`: SKEWED.
 
-Marked ``trainers`` (``make test-trainers``), like TRL's: four builds, two launches each.
+The GRPO drop-in (examples/drop_in_ddp.py's ``accumulate``, unchanged, in a DDP loop over the probe's sampled
+completions: examples/trainers/drop_in_grpo.py) divides by TRL's std + 1e-4, so its factor is 1: ``token``
+exactly, and its ``denominator="local"`` `local`, SKEWED.
+
+Marked ``trainers`` (``make test-trainers``), like TRL's: six builds, two launches each.
 """
 
 import math
@@ -33,12 +37,11 @@ TOL = 1e-5
 _AUDITS: dict = {}
 
 
-def _audit(build: str):
+def _audit(build: str, file: str = "gradnorm_grpo.py"):
     """One audit per build for the whole module: the tests that read the same build share its launches."""
-    if build not in _AUDITS:
-        _AUDITS[build] = audit_trainer(f"{BUILDS / 'gradnorm_grpo.py'}:{build}", "grpo", world_sizes=(2,),
-                                       accum_steps=(2,))
-    return _AUDITS[build].report
+    if (file, build) not in _AUDITS:
+        _AUDITS[file, build] = audit_trainer(f"{BUILDS / file}:{build}", "grpo", world_sizes=(2,), accum_steps=(2,))
+    return _AUDITS[file, build].report
 
 
 def test_the_advantage_factor_is_the_trainers_std_epsilon():
@@ -84,3 +87,20 @@ def test_control_local_is_skewed():
     assert split["token"].distance > 1e-2  # the microbatches' counts differ: far from the global mean
     assert report.exit_code == 1 and report.verdict().startswith("SKEWED")
     assert "equals `local`" in report.verdict()
+
+
+def test_the_grpo_drop_in_is_the_global_token_mean():
+    report = _audit("drop_in_grpo", "drop_in_grpo.py")
+    assert report.exit_code == 0 and report.decision().shape == "token" and report.decision().law == "exact"
+    for run in report.runs:
+        fit = report.fits(run)["token"]
+        assert fit.distance < TOL and fit.factor == pytest.approx(1, abs=TOL)
+        assert run.unsure == 0 and len(run.completions) == 16
+
+
+def test_control_the_grpo_drop_in_with_local_is_skewed():
+    report = _audit("drop_in_grpo_local", "drop_in_grpo.py")
+    split = report.fits(report.runs[1])
+    assert split["local"].distance < TOL and split["local"].factor == pytest.approx(1, abs=TOL)
+    assert split["token"].distance > 1e-2
+    assert report.exit_code == 1 and "equals `local`" in report.verdict()
