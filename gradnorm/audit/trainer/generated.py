@@ -148,7 +148,8 @@ def _complete(rows: list[_Row], measured: Tensor, vocab_size: int,
     row: that row ends at the forward's edge, neither EOS nor PAD after its last id k. A trainer that feeds whole
     rows leaves a row at the edge only when its maximum length cut it (no label beyond). Which one the trainer
     is, the gradient says: in column k, a label no known cell explains with measured(k, y) != 0 is the missing
-    last label. Rows whose known cells read 0 (a group of equal rewards: no gradient) say nothing; when no row
+    last label. Rows whose known cells read 0 (a group of equal rewards: no gradient) say nothing, nor do rows
+    whose label may share its cell with another position's (a column k other positions use); when no row
     of the run says, ``drops`` (what another run of the same trainer said: ``GeneratedReport``) decides, and
     without it the rows end where the inputs end. A dropped label no gradient shows is EOS: the row ended
     before the trainer's maximum (which ``read_generated`` checks against the rewards).
@@ -165,7 +166,7 @@ def _complete(rows: list[_Row], measured: Tensor, vocab_size: int,
     for k, y in count:
         explained.setdefault(k, set()).add(y)
     V = vocab_size
-    extra, says = {}, {}
+    extra, says, visible = {}, {}, set()
     for i, row in enumerate(rows):
         if not row.edge:
             continue
@@ -177,8 +178,10 @@ def _complete(rows: list[_Row], measured: Tensor, vocab_size: int,
             raise ReadoutError(f"the row ending in id {k} at a forward's edge has {len(extra[i])} labels in the gradient "
                                "that no recorded input explains: its last label cannot be read")
         own = [cell for cell in known[i] if count[cell] == 1]
-        if any(abs(float(measured[y, k2])) > threshold for k2, y in own):  # its weight shows: the gradient says
-            says[i] = len(extra[i]) == 1
+        if any(abs(float(measured[y, k2])) > threshold for k2, y in own):  # its weight shows
+            visible.add(i)
+            if extra[i] or not explained.get(k):  # else its label may share a cell another position explains
+                says[i] = bool(extra[i])
     if len(set(says.values())) > 1:
         raise ReadoutError("rows at a forward's edge disagree on whether the trainer trained a label beyond them "
                            "(some show one in the gradient, some do not): the readout cannot tell where they end")
@@ -188,9 +191,16 @@ def _complete(rows: list[_Row], measured: Tensor, vocab_size: int,
     for i, row in enumerate(rows):
         tokens = list(row.tokens)
         if row.edge and drops:
+            k = tokens[-1] if tokens else row.context
             if extra[i]:
                 tokens.append(extra[i][0])
-            else:
+            elif i in visible:  # its label shares a cell with another position of column k
+                shared = explained[k]
+                if EOS not in shared and len(shared) > 1:
+                    raise ReadoutError(f"the row ending in id {k} at a forward's edge shares its last label with one "
+                                       f"of {len(shared)} other positions' labels: the readout cannot tell which")
+                tokens.append(EOS if EOS in shared else next(iter(shared)))
+            else:  # no gradient on the row: nothing to read, EOS unless the trainer's maximum cut it
                 tokens.append(EOS)
                 unseen.append(len(completions))
         if tokens:
@@ -425,7 +435,7 @@ class GeneratedReport:
         lines.append(f"gradient outside the sampled tokens: {100 * stray:.2g}% of the total")
         unsure = sum(r.unsure for r in self.runs)
         if unsure:
-            lines.append(f"unsure: {unsure} rows end at a forward's last column in a group with no gradient, and no run "
-                         "showed whether the trainer trains a label beyond such a row: read as ending there")
+            lines.append(f"unsure: {unsure} rows end at a forward's last column, and no run's gradient showed whether the "
+                         "trainer trains a label beyond such a row: read as ending there")
         lines.append(f"verdict: {self.verdict()}")
         return "\n".join(lines)

@@ -243,3 +243,18 @@ def test_the_recorder_keeps_forwards_a_backward_reached_one_microbatch_per_backw
     assert [f.tolist() for f in forwards] == [[[4, 5]], [[10, 11]], [[12, 13]]]
     assert microbatches == [0, 1, 1]
     assert len(recorder._state["forwards"]) == 4  # the control: the unused forward was recorded, then dropped
+
+
+def test_a_dropped_label_sharing_its_cell_is_read_from_the_position_it_shares_with(probe):
+    """Completion 1's dropped EOS follows id 101, as completion 0's EOS does: the cell (101 -> EOS) holds both, so
+    column 101 shows no label of its own; the other microbatch's row says the trainer drops the last column."""
+    data, model = probe
+    a = 100
+    completions = [(0, [a, a + 1, EOS]), (0, [a + 2, a + 3, a + 1, EOS]),  # rewards 0, 1; completion 1 at the edge
+                   (1, [a + 4, EOS]), (1, [a + 5, a + 6, EOS])]            # 1, 0; completion 3 at the edge
+    records = _backward(model, data, completions, [[torch.tensor([0, 1]), torch.tensor([2, 3])]], "token",
+                        drop_last=True)
+    run = read_generated(data, records)
+    assert run.drops is True and run.unsure == 0
+    assert [c.tokens for c in run.completions] == [t for _, t in completions]
+    assert fit_modes(run)["token"].distance < 1e-6
