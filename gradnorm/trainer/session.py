@@ -226,7 +226,7 @@ class Session:
         if isinstance(err, (ValueError, failures.TrainingError, store.CheckpointError, OSError)) or \
                 failures.out_of_memory(err):  # a bad checkpoint, a full disk, a bad reward, NaN after NaN, out of memory
             step = None if isinstance(err, failures.TrainingError) else self.run.in_flight  # a TrainingError names its step
-            message = failures.explain(err, ctx.device, step)
+            message = failures.explain(err, ctx.device, step, self._cfg)
             comm.post_error(message)  # ranks waiting for this one in a collective learn it now, not after --timeout-s
             failures.report_error(message, ctx.rank)
             return 1
