@@ -14,7 +14,8 @@ peers), and the failure ladder: each kind of failure handled once, with its one 
     bad input                     a ValueError while reading the flags; any rank's      2
                                   check, or rank 0's decision, which every rank
                                   learns; ``failures.InputError`` (found with the model)
-    output-dir takes no files     an OSError of rank 0's decision (a full disk)         1
+    output-dir takes no files     an OSError of rank 0's decision (a full disk), or     1
+                                  ``lock.MoveFailed`` (the old run could not be set aside)
     no process group              ``comm.setup`` (address, port, a peer never came)     1
     a failed run                  while training: a ValueError, ``TrainingError``,      1, posted to
                                   ``CheckpointError``, an OSError, out of memory          the peers
@@ -179,12 +180,17 @@ class Session:
             lock.settle(out)  # a kill mid-move of a run: make it whole before reading it
             cfg = restart.resolve(cfg, self.world_size)
             lock.check(out, cfg.resume, cfg.overwrite)
-            checkpoint = history.resume_point(cfg, self.world_size)  # bad input leaves output-dir untouched
+            restoring = cfg.resume and lock.stranded(out)  # --resume puts the old run back first, then continues it
+            checkpoint = None if restoring else history.resume_point(cfg, self.world_size)  # bad input: untouched
             self._run_dir = lock.RunDir(out)
             self._run_dir.open(cfg.resume, cfg.overwrite)
+            if restoring:
+                checkpoint = history.resume_point(cfg, self.world_size)
             return _Decision(cfg.resume, cfg.overwrite, checkpoint)
         except restart.Complete as done:  # a requeue of a finished run: nothing to do, exit 0
             return _Refused(0, 0, str(done))
+        except lock.MoveFailed as err:  # the old run could not be set aside: the move is undone, nothing trained
+            return _Refused(1, 0, str(err))
         except ValueError as err:
             return _Refused(2, 0, str(err))
         except OSError as err:  # output-dir takes no more files (a full disk) as the run's first are written
