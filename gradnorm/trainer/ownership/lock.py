@@ -327,13 +327,13 @@ class RunDir:
                 if time.monotonic() < deadline:
                     time.sleep(0.02)
                     continue
-                raise ValueError(in_use(self.out, _read_lock(path), held=True))
+                raise ValueError(in_use(self.out, _read_lock(path)))
             if not _names(path, fd):  # another start removed the file we locked: lock the one there now
                 os.close(fd)
                 continue
             break
-        stale = None if created else _read_lock(path)
-        if stale is not None and (os.fstat(fd).st_size or stale):
+        stale = None if created else _read_lock(path)  # a lock that was there: whose, and is it dead?
+        if stale is not None:
             if not _stale(stale, held):
                 os.close(fd)
                 raise ValueError(in_use(self.out, stale))
@@ -578,11 +578,11 @@ def live_owner(path: Path) -> dict | None:
     return None if _stale(owner, held) else owner
 
 
-def in_use(out: Path, owner: dict, held: bool = False) -> str:
-    if "pid" in owner or not held:
-        who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}, since {owner.get('started', '?')}"
-    else:
-        who = "one starting now, still writing its lock"
+def in_use(out: Path, owner: dict) -> str:
+    if "pid" in owner:
+        who = f"pid {owner['pid']} on host {owner.get('host', '?')}, since {owner.get('started', '?')}"
+    else:  # held, but not written yet
+        who = "its lock names no owner yet: a start still writing it"
     return (f"--output-dir {out} is in use by another run ({who}); wait for it, "
             f"or delete {out / LOCK} if that run is gone")
 
