@@ -120,8 +120,8 @@ def grpo_prompts(num_prompts: int = 16) -> ProbeData:
     """GRPO's prompts: two ids of their own each; the trainer samples the completions (``gradnorm.audit.trainer.generated``).
 
     Records: ``{"prompt", "answer"}`` (TRL reads the prompt and hands the answer to the reward as a keyword;
-    gradnorm's trainer needs both in its prompts file). ``rows`` are the prompts (the readout learns the completions from
-    the recorded inputs), ``owner`` maps each prompt's last id to its prompt index.
+    gradnorm's trainer needs both in its prompts file). ``rows`` are the prompts (the readout learns the
+    completions from the recorded inputs), ``owner`` maps each prompt's last id to its prompt index.
     """
     ids, records, rows = _Ids(), [], []
     for p in range(num_prompts):

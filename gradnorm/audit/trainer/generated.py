@@ -175,8 +175,8 @@ def _complete(rows: list[_Row], measured: Tensor, vocab_size: int,
         column[sink(V)] = 0.0
         extra[i] = [y for y in (column > threshold).nonzero().flatten().tolist() if y not in explained.get(k, ())]
         if len(extra[i]) > 1:
-            raise ReadoutError(f"the row ending in id {k} at a forward's edge has {len(extra[i])} labels in the gradient "
-                               "that no recorded input explains: its last label cannot be read")
+            raise ReadoutError(f"the row ending in id {k} at a forward's edge has {len(extra[i])} labels in the "
+                               "gradient that no recorded input explains: its last label cannot be read")
         own = [cell for cell in known[i] if count[cell] == 1]
         if any(abs(float(measured[y, k2])) > threshold for k2, y in own):  # its weight shows
             visible.add(i)
@@ -435,7 +435,7 @@ class GeneratedReport:
         lines.append(f"gradient outside the sampled tokens: {100 * stray:.2g}% of the total")
         unsure = sum(r.unsure for r in self.runs)
         if unsure:
-            lines.append(f"unsure: {unsure} rows end at a forward's last column, and no run's gradient showed whether the "
-                         "trainer trains a label beyond such a row: read as ending there")
+            lines.append(f"unsure: {unsure} rows end at a forward's last column, and no run's gradient showed whether "
+                         "the trainer trains a label beyond such a row: read as ending there")
         lines.append(f"verdict: {self.verdict()}")
         return "\n".join(lines)
