@@ -1,7 +1,13 @@
-"""Issue 54: whether the lines that ``--auto-resume``, ``--resume`` and a failed run print name a way
-on that works as typed.
+"""Issue 54: what ``--auto-resume`` makes of a stranded ``--overwrite``, and whether the lines that it
+and a failed run print name a way on that works as typed.
 
 What must hold (gradnorm/trainer/ownership/restart.py, history.py, guards/failures.py):
+- an --overwrite SIGKILLed before its first checkpoint (the old run in previous_run/): the same
+  flags with --auto-resume start the replacement over and say, in a ``warning:`` line, that the old
+  run goes at this run's first checkpoint; any other command (the old run's own requeue, or no
+  config.json to tell) is refused in one line naming ``--resume`` and ``--overwrite`` in place of
+  ``--auto-resume``, and each, typed as named, gets the run going (the old run continued to the
+  metrics of an uninterrupted run, or the replacement started over);
 - every refusal of --auto-resume names only ways that work: no ``--resume`` where there is no
   checkpoint to resume from;
 - a finished run whose end-of-run export was killed: --auto-resume still exits 0 (a requeue of a
@@ -12,16 +18,20 @@ What must hold (gradnorm/trainer/ownership/restart.py, history.py, guards/failur
 """
 
 import errno
+import json
 import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers.runfiles import metrics
+from tests.helpers.faults import dead_pid
+from tests.helpers.runfiles import comparable, every_file, metrics
 from tests.helpers.trainer import TINY, one_error_line, run_main, tiny
 from tests.reliability.test_disk_full import small_disk  # noqa: F401 (a fixture)
 
@@ -39,6 +49,19 @@ OLD = tiny(save_every="1")
 NEW = tiny(save_every="2", seed="4")
 """The replacement: another run (another seed), whose first checkpoint comes at step 2."""
 
+KILL_AT_STEP = """
+import os, signal, sys
+from gradnorm import train
+honest = train.generate_rollout
+def rollout(*args, **kwargs):
+    if kwargs["step"] == {step}:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer does: no finally runs, nothing is put back
+    return honest(*args, **kwargs)
+train.generate_rollout = rollout
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
 def ways_out(line: str) -> set[str]:
     """The start flags a refusal names: each one a way out, to be typed in place of --auto-resume."""
     return set(re.findall(r"(?<![\w-])--(?:resume|overwrite)(?![\w-])", line))
@@ -55,8 +78,121 @@ def instead(argv: list[str], flag: str) -> list[str]:
     return [flag if a == "--auto-resume" else a for a in argv]
 
 
+@pytest.fixture(scope="module")
+def stranded(tmp_path_factory) -> Path:
+    """An --overwrite of a 2-step run, SIGKILLed in its step 2, before its first checkpoint: the old run
+    (ckpt_step1, ckpt_step2) in previous_run/, the replacement's config.json and step-1 metrics in out."""
+    out = tmp_path_factory.mktemp("stranded") / "run"
+    assert run_main(out, "--steps", "2", base=OLD) == 0
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP.format(step=2), *NEW, "--output-dir", str(out),
+                             "--steps", "4", "--overwrite"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert latest_checkpoint(out) is None and latest_checkpoint(out / lock.PREVIOUS).name == "ckpt_step2"
+    assert [m["step"] for m in metrics(out)] == [1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, Path]:
+    """The old run and the replacement, each run to step 4 without a stop: what a way out must reach."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    for name, flags in (("old", OLD), ("new", NEW)):
+        assert run_main(base / name, "--steps", "4", base=flags) == 0
+    return {"old": base / "old", "new": base / "new"}
+
+
 def copy_of(run: Path, where: Path) -> Path:
     return Path(shutil.copytree(run, where, symlinks=True))
+
+
+@pytest.mark.launch
+def test_auto_resume_of_a_stranded_overwrite_says_the_old_run_goes_at_the_first_checkpoint(stranded, uninterrupted,
+                                                                                         tmp_path, capsys):
+    """Issue 54, finding: an --overwrite run killed before its first checkpoint (an OOM kill) leaves the
+    old run in previous_run/; the same flags with --auto-resume started over and deleted the old run
+    at the first checkpoint, printing nothing."""
+    out = copy_of(stranded, tmp_path / "run")
+    assert run_main(out, "--steps", "4", "--auto-resume", base=NEW) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("warning: --auto-resume:")]
+    assert len(said) == 1, err
+    assert f"{out / lock.PREVIOUS}/ the run an --overwrite replaced (its latest checkpoint ckpt_step2)" in said[0]
+    assert f"the old run in {out / lock.PREVIOUS}/ is deleted at this run's first checkpoint" in said[0]
+    assert comparable(out) == comparable(uninterrupted["new"])  # the replacement, started over, ran whole
+    assert not (out / lock.PREVIOUS).exists()
+    # the control: this run's own leftovers, with no old run set aside, are started over without that line
+    for ckpt in out.glob("ckpt_step*"):
+        shutil.rmtree(ckpt)
+    assert run_main(out, "--steps", "4", "--auto-resume", base=NEW) == 0
+    assert "warning: --auto-resume:" not in capsys.readouterr().err
+
+
+@pytest.mark.launch
+def test_a_live_overwrite_in_its_warm_up_is_in_use_not_stranded(stranded, tmp_path, capsys):
+    """An --overwrite still before its first checkpoint looks stranded (previous_run/, no checkpoint)
+    but its lock is live: --auto-resume says the directory is in use, with no start-over warning."""
+    out = copy_of(stranded, tmp_path / "run")
+    (out / lock.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
+    before = every_file(out)
+    assert run_main(out, "--steps", "4", "--auto-resume", base=NEW) == 2
+    err = capsys.readouterr().err
+    one_error_line(err, f"--output-dir {out} is in use by another run (pid {os.getpid()}")
+    assert "warning:" not in err and every_file(out) == before
+    # the control: once that run is dead (its lock left behind), the same directory is stranded and started over
+    (out / lock.LOCK).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname(), "started": "then"}))
+    assert run_main(out, "--steps", "4", "--auto-resume", base=NEW) == 0
+    assert "warning: --auto-resume:" in capsys.readouterr().err
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("case", ["the-old-runs-requeue", "no-config-json"])
+def test_a_stranded_overwrite_that_is_not_this_run_is_refused_naming_two_ways_that_work(case, stranded, uninterrupted,
+                                                                                       tmp_path, capsys):
+    """Issue 54, findings: --auto-resume took a stranded --overwrite for this run's own leftovers
+    whatever the command; and after a kill stranded an --overwrite, --auto-resume advised --resume,
+    which then refused: a dead end. Here the command is the old run's (its requeue): refused in one
+    line, nothing touched, and each way it names, typed as named, gets the run going."""
+    work = copy_of(stranded, tmp_path / "stranded")
+    if case == "no-config-json":  # the replacement was killed before it wrote one: whose it is, nobody can tell
+        (work / "config.json").unlink()
+    before = every_file(work)
+    command = ["--steps", "4", "--auto-resume"]
+    assert run_main(work, *command, base=OLD) == 2
+    line = one_error_line(capsys.readouterr().err, f"--auto-resume: {work / lock.PREVIOUS}/ holds the run an "
+                                                   "--overwrite replaced (its latest checkpoint ckpt_step2)")
+    assert every_file(work) == before
+    assert ways_out(line) == {"--resume", "--overwrite"}, line
+    for way in sorted(ways_out(line), reverse=True):  # --resume first: the dead end of the finding
+        out = copy_of(work, tmp_path / way.strip("-"))
+        code = run_main(out, *instead(command, way), base=OLD)
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert not (out / lock.PREVIOUS).exists()
+        # --resume puts the old run back and continues it; --overwrite starts a run of these flags afresh
+        assert comparable(out) == comparable(uninterrupted["old"]), way
+        assert as_typed(line, way), line
+
+
+@pytest.mark.launch
+def test_resume_of_a_stranded_overwrite_with_the_replacements_flags_names_a_way_that_works(stranded, uninterrupted,
+                                                                                         tmp_path, capsys):
+    """--resume of a stranded --overwrite continues the old run (put back from previous_run/), so the
+    replacement's flags are refused as another run's, with a way that works as typed: --overwrite in
+    place of --resume (beside it, refused) starts the replacement over."""
+    out = copy_of(stranded, tmp_path / "run")
+    command = ["--steps", "4", "--resume"]
+    assert run_main(out, *command, base=NEW) == 2
+    line = one_error_line(capsys.readouterr().err, "--resume: the flags that define the run differ from")
+    assert "--seed 3 -> 4;" in line and line.endswith("(another --output-dir, or --overwrite in place of --resume)")
+    assert run_main(out, *[a if a != "--resume" else "--overwrite" for a in command], base=NEW) == 0
+    assert comparable(out) == comparable(uninterrupted["new"])
+    # the control: the old run's own flags resume it, from the checkpoint it had in previous_run/
+    out = copy_of(stranded, tmp_path / "old")
+    assert run_main(out, *command, base=OLD) == 0
+    captured = capsys.readouterr()
+    assert f"resumed from {out / 'ckpt_step2'} at step 2" in captured.out + captured.err
+    assert comparable(out) == comparable(uninterrupted["old"])
 
 
 @pytest.mark.parametrize("checkpoint", [True, False], ids=["with-a-checkpoint", "without-one"])
@@ -163,7 +299,7 @@ def test_auto_resume_of_a_finished_run_with_a_killed_export_names_the_export_com
     assert typed, said[0]
     command = shlex.split(typed.group(1))
     assert command[:3] == ["python", "-m", "gradnorm.export"], command
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the command as typed in a checkout
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # as typed in a checkout
     env = {**ENV, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -192,11 +328,6 @@ def full_disk_at(monkeypatch, step: int) -> None:
     monkeypatch.setattr(train_module, "generate_rollout", rollout)
 
 
-EXPLAINED_WITH_CFG = pytest.mark.xfail(strict=True, reason="Session._report does not pass the run's config to "
-                                       "failures.explain(..., cfg) yet, so the line cannot look for a checkpoint")
-
-
-@EXPLAINED_WITH_CFG
 @pytest.mark.parametrize("flags, says, way", [
     (["--save-every", "0"], "no checkpoint was written, so there is nothing to resume: start the run over (the same "
                             "command with --overwrite)", ["--overwrite"]),
@@ -239,7 +370,6 @@ def test_out_of_memory_claims_intact_checkpoints_only_where_there_are_some(check
                          "command with --overwrite)"), said
 
 
-@EXPLAINED_WITH_CFG
 @pytest.mark.launch
 def test_a_real_full_disk_with_save_every_0_says_there_is_nothing_to_resume(small_disk, capsys):  # noqa: F811
     """Issue 54, finding: the same line from a real full disk (a tmpfs of 32 KiB that metrics.jsonl

@@ -10,6 +10,11 @@ and turns ``--auto-resume`` into what a person would have typed:
                                                           the run must equal config.json's)
     this run's files from before its first checkpoint     --overwrite: started over, the leftovers set
                                                           aside until the new first checkpoint
+    a stranded --overwrite (previous_run/ holds the       --overwrite, with a warning that the old run
+    run it replaced, output-dir no checkpoint) whose      in previous_run/ is deleted at this run's
+    config.json is this run's                             first checkpoint
+    the same, without a config.json of this run           refused, naming --resume (the old run put
+                                                          back and continued) and --overwrite
     this run, complete at --steps                         nothing: ``Complete``, exit 0 (naming the
                                                           export command if its export is unfinished)
     another run, or files without a config.json           refused in one line
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from pathlib import Path
 
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
@@ -46,9 +52,10 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     owner = lock.live_owner(out / lock.LOCK) if out.is_dir() else None
     if owner is not None:  # another run is writing it (an --overwrite in its warm-up looks stranded): not ours to read
         raise ValueError(lock.in_use(out, owner))
+    if out.is_dir() and lock.stranded(out):
+        return _stranded(cfg, out)
     checkpoint = latest_checkpoint(out) if out.is_dir() else None
-    previous = [out / lock.PREVIOUS] if (out / lock.PREVIOUS).is_dir() else []
-    leftovers = (lock.run_records(out) if out.is_dir() else []) + previous
+    leftovers = lock.run_records(out) if out.is_dir() else []
     if checkpoint is None and not leftovers:
         return cfg  # the first start
     old = read_config(out)
@@ -68,3 +75,31 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         raise Complete(f"--auto-resume: {out} is complete at step {step} (--steps {cfg.steps}): nothing to do"
                        f"{unfinished_export(cfg, checkpoint)}")
     return resumed
+
+
+def _stranded(cfg: TrainConfig, out: Path) -> TrainConfig:
+    """An --overwrite that stopped before its first checkpoint with no chance to put the old run back
+    (a SIGKILL, an OOM kill): previous_run/ holds the old run, output-dir the replacement's leftovers.
+
+    Starting over is what this command asks for only if the replacement is this run (its config.json
+    matches the flags), and it costs the old run at the first checkpoint, so a line says so; else the
+    command may be the old run's own (a requeue of its job), and only a person can tell: refused.
+    """
+    previous = out / lock.PREVIOUS
+    kept = latest_checkpoint(previous)
+    held = f"its latest checkpoint {kept.name}" if kept is not None else "no checkpoint"
+    replacement = read_config(out)
+    try:
+        compare_resumed(dataclasses.replace(cfg, resume=True), replacement)
+        why = "" if replacement is not None else ", and left no config.json to tell whether it is this run"
+    except ValueError as err:  # its line without the "--resume: " it starts with and the advice after "; "
+        why = f", and it is not this run ({str(err).split(': ', 1)[1].split('; ')[0]})"
+    if not why:
+        print(f"warning: --auto-resume: {out} holds this run's files from before its first checkpoint, and {previous}/ "
+              f"the run an --overwrite replaced ({held}); this run starts over, and the old run in {previous}/ is "
+              "deleted at this run's first checkpoint", file=sys.stderr, flush=True)
+        return dataclasses.replace(cfg, overwrite=True)
+    raise ValueError(f"--auto-resume: {previous}/ holds the run an --overwrite replaced ({held}), and the replacement "
+                     f"stopped before its first checkpoint{why}: rerun this command with --resume in place of "
+                     "--auto-resume to put the old run back and continue it, or with --overwrite in place of "
+                     f"--auto-resume to start the replacement over (the old run is deleted at its first checkpoint)")
