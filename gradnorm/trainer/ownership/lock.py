@@ -250,6 +250,8 @@ class RunDir:
                     break
 
     def _settle(self, succeeded: bool) -> None:
+        if (self.out / JOURNAL).exists():  # a move that failed half-way: the next start's ``settle`` finishes it
+            return
         if made_previous(self.out):
             if has_checkpoint(self.out):
                 self._drop_previous()
