@@ -49,17 +49,25 @@ OLD = tiny(save_every="1")
 NEW = tiny(save_every="2", seed="4")
 """The replacement: another run (another seed), whose first checkpoint comes at step 2."""
 
-KILL_AT_STEP = """
+KILL_IN = """
 import os, signal, sys
 from gradnorm import train
-honest = train.generate_rollout
-def rollout(*args, **kwargs):
-    if kwargs["step"] == {step}:
+name, step = sys.argv[1], int(sys.argv[2])
+honest = getattr(train, name)
+def killed(*args, **kwargs):
+    if kwargs.get("step", 0) == step:
         os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer does: no finally runs, nothing is put back
     return honest(*args, **kwargs)
-train.generate_rollout = rollout
-sys.exit(train.main(sys.argv[1:]))
+setattr(train, name, killed)
+sys.exit(train.main(sys.argv[3:]))
 """
+
+
+def killed_in(name: str, step: int, out: Path, *flags: str) -> None:
+    """A run of ``flags`` SIGKILLed in gradnorm.train's ``name`` (at the call of ``step``; 0: the first)."""
+    done = subprocess.run([sys.executable, "-c", KILL_IN, name, str(step), *flags, "--output-dir", str(out)], env=ENV,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr
 
 
 def ways_out(line: str) -> set[str]:
@@ -84,10 +92,7 @@ def stranded(tmp_path_factory) -> Path:
     (ckpt_step1, ckpt_step2) in previous_run/, the replacement's config.json and step-1 metrics in out."""
     out = tmp_path_factory.mktemp("stranded") / "run"
     assert run_main(out, "--steps", "2", base=OLD) == 0
-    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP.format(step=2), *NEW, "--output-dir", str(out),
-                             "--steps", "4", "--overwrite"], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    killed_in("generate_rollout", 2, out, *NEW, "--steps", "4", "--overwrite")
     assert latest_checkpoint(out) is None and latest_checkpoint(out / lock.PREVIOUS).name == "ckpt_step2"
     assert [m["step"] for m in metrics(out)] == [1]
     return out
@@ -126,6 +131,31 @@ def test_auto_resume_of_a_stranded_overwrite_says_the_old_run_goes_at_the_first_
         shutil.rmtree(ckpt)
     assert run_main(out, "--steps", "4", "--auto-resume", base=NEW) == 0
     assert "warning: --auto-resume:" not in capsys.readouterr().err
+
+
+@pytest.mark.launch
+def test_an_elastic_restart_killed_twice_before_its_first_checkpoint_goes_on(uninterrupted, tmp_path, capsys):
+    """Issue 54, finding: a restart must continue. A start of this run killed in its step 2 leaves its
+    files; the restart sets them aside (previous_run/, no checkpoint) and is killed loading its model,
+    before it wrote its config.json: the directory is stranded with no config.json of the replacement,
+    yet previous_run/ is this run's own, with nothing to resume, so the next restart starts over."""
+    work, command = tmp_path / "work", [*NEW, "--steps", "4", "--auto-resume"]
+    killed_in("generate_rollout", 2, work, *command)
+    killed_in("build_policy", 0, work, *command)
+    assert lock.stranded(work) and not (work / "config.json").exists()
+    out = copy_of(work, tmp_path / "run")
+    assert run_main(out, "--steps", "4", "--auto-resume", base=NEW) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --auto-resume:")]
+    assert said == [f"warning: --auto-resume: {out / lock.PREVIOUS}/ holds this run's files from an earlier start "
+                    "that stopped before its first checkpoint; this run starts over, and they are deleted at its first "
+                    "checkpoint"], said
+    assert comparable(out) == comparable(uninterrupted["new"]) and not (out / lock.PREVIOUS).exists()
+    # the control: previous_run/ of another run (another seed) is not this run's to delete: refused
+    config = json.loads((work / lock.PREVIOUS / "config.json").read_text())
+    (work / lock.PREVIOUS / "config.json").write_text(json.dumps({**config, "seed": 5}))
+    assert run_main(work, "--steps", "4", "--auto-resume", base=NEW) == 2
+    one_error_line(capsys.readouterr().err, "and left no config.json to tell whether it is this run: rerun this "
+                                            "command with --resume in place of --auto-resume")
 
 
 @pytest.mark.launch

@@ -14,7 +14,10 @@ and turns ``--auto-resume`` into what a person would have typed:
     run it replaced, output-dir no checkpoint) whose      in previous_run/ is deleted at this run's
     config.json is this run's                             first checkpoint
     the same, without a config.json of this run           refused, naming --resume (the old run put
-                                                          back and continued) and --overwrite
+                                                          back and continued) and --overwrite; but
+                                                          previous_run/ of this run without a
+                                                          checkpoint (an earlier start's files) and
+                                                          no config.json in output-dir: started over
     this run, complete at --steps                         nothing: ``Complete``, exit 0 (naming the
                                                           export command if its export is unfinished)
     another run, or files without a config.json           refused in one line
@@ -84,22 +87,37 @@ def _stranded(cfg: TrainConfig, out: Path) -> TrainConfig:
     Starting over is what this command asks for only if the replacement is this run (its config.json
     matches the flags), and it costs the old run at the first checkpoint, so a line says so; else the
     command may be the old run's own (a requeue of its job), and only a person can tell: refused.
+    One more case is this run's alone: an elastic restart killed before writing its config.json
+    (loading the model) after setting aside this run's own files from an earlier start, which have
+    no checkpoint (previous_run/config.json matches): nothing there to resume, so a restart goes on.
     """
     previous = out / lock.PREVIOUS
     kept = latest_checkpoint(previous)
     held = f"its latest checkpoint {kept.name}" if kept is not None else "no checkpoint"
     replacement = read_config(out)
-    try:
-        compare_resumed(dataclasses.replace(cfg, resume=True), replacement)
-        why = "" if replacement is not None else ", and left no config.json to tell whether it is this run"
-    except ValueError as err:  # its line without the "--resume: " it starts with and the advice after "; "
-        why = f", and it is not this run ({str(err).split(': ', 1)[1].split('; ')[0]})"
-    if not why:
+    if replacement is None and kept is None and _differs(cfg, read_config(previous)) is None:
+        print(f"warning: --auto-resume: {previous}/ holds this run's files from an earlier start that stopped before "
+              f"its first checkpoint; this run starts over, and they are deleted at its first checkpoint",
+              file=sys.stderr, flush=True)
+        return dataclasses.replace(cfg, overwrite=True)
+    why = _differs(cfg, replacement)
+    if why is None:
         print(f"warning: --auto-resume: {out} holds this run's files from before its first checkpoint, and {previous}/ "
               f"the run an --overwrite replaced ({held}); this run starts over, and the old run in {previous}/ is "
               "deleted at this run's first checkpoint", file=sys.stderr, flush=True)
         return dataclasses.replace(cfg, overwrite=True)
     raise ValueError(f"--auto-resume: {previous}/ holds the run an --overwrite replaced ({held}), and the replacement "
-                     f"stopped before its first checkpoint{why}: rerun this command with --resume in place of "
+                     f"stopped before its first checkpoint, {why}: rerun this command with --resume in place of "
                      "--auto-resume to put the old run back and continue it, or with --overwrite in place of "
                      f"--auto-resume to start the replacement over (the old run is deleted at its first checkpoint)")
+
+
+def _differs(cfg: TrainConfig, config: dict | None) -> str | None:
+    """None if ``config`` (a config.json) is this run's; else why not, for a refusal to quote."""
+    if config is None:
+        return "and left no config.json to tell whether it is this run"
+    try:
+        compare_resumed(dataclasses.replace(cfg, resume=True), config)
+    except ValueError as err:  # its line without the "--resume: " it starts with and the advice after "; "
+        return f"and it is not this run ({str(err).split(': ', 1)[1].split('; ')[0]})"
+    return None
