@@ -143,6 +143,7 @@ def test_a_file_named_previous_run_is_refused_before_anything_moves(tmp_path, ca
     out = tmp_path / "run"
     old_run(out)
     (out / lock.PREVIOUS).write_text("my notes\n")
+    (out / f"{lock.PREVIOUS}.kept").write_text("older notes\n")  # the advised name is one that mv writes over nothing
     before = every_file(out)
     flags = [*TINY, "--output-dir", str(out), "--steps", "1", "--overwrite"]
     assert main(flags) == 2
@@ -152,7 +153,8 @@ def test_a_file_named_previous_run_is_refused_before_anything_moves(tmp_path, ca
     follow_mv(line)  # the advice, as typed: then the same command replaces the run
     assert main(flags) == 0
     err = capsys.readouterr().err
-    assert (out / f"{lock.PREVIOUS}.kept").read_text() == "my notes\n"
+    assert (out / f"{lock.PREVIOUS}.kept1").read_text() == "my notes\n"
+    assert (out / f"{lock.PREVIOUS}.kept").read_text() == "older notes\n"
     assert not (out / lock.PREVIOUS).exists() and latest_checkpoint(out).name == "ckpt_step1"
     assert f"so that old run is deleted now: {out / lock.PREVIOUS}/ is gone" in err  # the deletion is said
 
@@ -274,3 +276,30 @@ def test_a_stranded_overwrite_typed_again_starts_over_and_says_when_the_old_run_
     assert said == [f"warning: {out} holds a checkpoint of the run that replaced the one in {out / lock.PREVIOUS}/ "
                     f"(ckpt_step4), so that old run is deleted now: {out / lock.PREVIOUS}/ is gone"]
     assert not (out / lock.PREVIOUS).exists() and latest_checkpoint(out).name == "ckpt_step4"
+
+
+def test_resume_puts_back_an_old_run_without_a_checkpoint_and_says_that_nothing_trains(tmp_path, capsys):
+    """A stranded --overwrite of a run that had no checkpoint yet: --resume is still the way back to
+    it, and the refusal says that it only restores (resume_point then finds nothing to continue)."""
+    out = tmp_path / "run"
+    (out / lock.PREVIOUS).mkdir(parents=True)
+    (out / lock.PREVIOUS / lock.PREVIOUS_MARKER).write_text("{}\n")
+    (out / lock.PREVIOUS / lock.MARKER).write_text('{"old": true}\n')
+    (out / lock.PREVIOUS / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / lock.PREVIOUS / "tensorboard").mkdir()
+    (out / lock.PREVIOUS / "tensorboard" / "events.old").write_text("old events\n")
+    old = {name: data for name, data in every_file(out / lock.PREVIOUS).items() if name != lock.PREVIOUS_MARKER}
+    (out / lock.MARKER).write_text('{"new": true}\n')  # the replacement's partial files
+    (out / "config.json").write_text('{"seed": 4, "history": []}\n')
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.new").write_text("new events\n")
+    with pytest.raises(ValueError, match=re.escape("rerun with --resume to put the old run back (it has no "
+                                                   "checkpoint, so nothing trains: it is only restored)")):
+        lock.check(out, resume=False, overwrite=False)
+    lock.check(out, resume=True, overwrite=False)
+    run_dir = RunDir(out)
+    run_dir.open(resume=True, overwrite=False)
+    run_dir.close(succeeded=False)  # as after resume_point's "no complete checkpoint": nothing else goes
+    assert every_file(out) == old and not (out / lock.PREVIOUS).exists()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --resume:")]
+    assert len(said) == 1 and "the replacement's files (.gradnorm-run, config.json, tensorboard) are deleted" in said[0]

@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -181,9 +183,11 @@ def _refuse_foreign_previous(out: Path) -> None:
         what = "a file"
     else:
         return
+    kept = next(previous.with_name(f"{PREVIOUS}.kept{n or ''}") for n in itertools.count()
+                if not os.path.lexists(previous.with_name(f"{PREVIOUS}.kept{n or ''}")))  # mv must not write over one
     raise ValueError(f"--overwrite sets the old run in {out} aside into {previous}, and {previous} is {what}, which "
-                     f"the trainer never moves into or deletes: rename it (mv {previous} {previous}.kept) and rerun, "
-                     "or choose another --output-dir")
+                     f"the trainer never moves into or deletes: rename it (mv {shlex.quote(str(previous))} "
+                     f"{shlex.quote(str(kept))}) and rerun, or choose another --output-dir")
 
 
 def _pid_alive(pid: int) -> bool:
