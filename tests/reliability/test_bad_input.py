@@ -122,7 +122,8 @@ CASES = {
                               setup=run_with(extra=lambda run: (run / ".lock").write_text(json.dumps(
                                   {"pid": os.getpid(), "host": socket.gethostname()})))),
     "overwrite-stranded": Case([], "holds the run that an --overwrite replaced, and the replacement stopped before",
-                               setup=run_with(checkpoint=None, extra=lambda run: (run / "previous_run").mkdir())),
+                               setup=run_with(checkpoint=None, extra=lambda run: (  # as the trainer makes it: marked
+                                   (run / "previous_run").mkdir(), (run / "previous_run" / ".gradnorm-previous").touch()))),
     # ---- --resume: the flags that define the run must match its config.json
     "resume-other-beta": Case(["--resume", "--beta", "0.1"], "differ from {case}/run/config.json: --beta 0.0 -> 0.1;",
                               setup=run_with()),

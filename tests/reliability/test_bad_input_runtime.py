@@ -274,9 +274,12 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path
     old = store.read_tensors(out / "ckpt_step2", "model")
     seen = rollout_raises(monkeypatch, 99, ValueError("never"), watch=out)
     assert run_main(out, "--steps", "2", "--seed", "5", "--save-every", "1", "--overwrite", base=FLAGS) == 0
-    assert "the previous run in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the previous run in" in err
+    assert f"so that old run is deleted now: {out / 'previous_run'}/ is gone" in err  # said when it goes
     # The old run, whole, was set aside until the new run had finished (and so had checkpoints).
-    old_run = [".gradnorm-run", "ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]  # its marker too
+    # its marker too, and the one that says the trainer made previous_run/
+    old_run = [".gradnorm-previous", ".gradnorm-run", "ckpt_step2", "config.json", "metrics.jsonl", "warmup.json"]
     assert [step for step, _, _ in seen] == [1, 2]
     assert seen[0][1] == [".gradnorm-run", ".lock", "config.json", "metrics.jsonl", "previous_run", "warmup.json"]
     assert seen[1][1] == [".gradnorm-run", ".lock", "ckpt_step1", "config.json", "metrics.jsonl", "previous_run",

@@ -34,6 +34,7 @@ def replaced_run(tmp_path: Path, replacement_saved: str) -> Path:
     replacement's config.json and, as its only checkpoint, ``replacement_saved``."""
     out = tmp_path / "run"
     checkpoint(out / lock.PREVIOUS, "ckpt_step2")
+    (out / lock.PREVIOUS / lock.PREVIOUS_MARKER).write_text("{}\n")  # the trainer marks the previous_run/ it makes
     (out / lock.PREVIOUS / "config.json").write_text('{"seed": 3}')
     (out / "config.json").write_text('{"seed": 5}')
     checkpoint(out, replacement_saved)
@@ -45,6 +46,7 @@ def test_a_live_overwrite_run_is_in_use_not_stranded(tmp_path):
     # An --overwrite run in its warm-up: previous_run/ and no checkpoint yet, and its lock is live.
     out = tmp_path / "run"
     (out / lock.PREVIOUS).mkdir(parents=True)
+    (out / lock.PREVIOUS / lock.PREVIOUS_MARKER).write_text("{}\n")
     (out / lock.LOCK).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
     with pytest.raises(ValueError, match="is in use by another run"):
         lock.check(out, resume=True, overwrite=False)
@@ -52,14 +54,14 @@ def test_a_live_overwrite_run_is_in_use_not_stranded(tmp_path):
     dead = dead_pid()
     (out / lock.LOCK).write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "started": "then"}))
     with pytest.raises(ValueError, match="stopped before its first checkpoint"):
-        lock.check(out, resume=True, overwrite=False)
+        lock.check(out, resume=False, overwrite=False)  # --resume is a way out of it now (it puts the old run back)
 
 
 def test_a_torn_checkpoint_does_not_release_the_old_run(tmp_path):
     out = replaced_run(tmp_path, ".ckpt_step1.tmp")  # killed while writing its first checkpoint
-    for resume in (False, True):
-        with pytest.raises(ValueError, match="holds the run that an --overwrite replaced, and the replacement stopped"):
-            lock.check(out, resume=resume, overwrite=False)
+    with pytest.raises(ValueError, match="holds the run that an --overwrite replaced, and the replacement stopped"):
+        lock.check(out, resume=False, overwrite=False)
+    lock.check(out, resume=True, overwrite=False)  # a way out: --resume puts the old run back (RunDir.open)
     lock.check(out, resume=False, overwrite=True)  # the way out: --overwrite again
     run_dir = RunDir(out)
     run_dir.open(resume=False, overwrite=True)  # the replacement's files go, the torn directory too
@@ -87,7 +89,8 @@ def test_overwrite_sets_aside_checkpoint_directories_and_torn_ones_and_puts_them
     run_dir = RunDir(out)
     run_dir.open(resume=False, overwrite=True)
     assert sorted(os.listdir(out)) == [lock.MARKER, ".lock", lock.PREVIOUS]
-    assert sorted(os.listdir(out / lock.PREVIOUS)) == [".ckpt_step4.tmp", "ckpt_step2", "metrics.jsonl"]
+    assert sorted(os.listdir(out / lock.PREVIOUS)) == sorted([lock.PREVIOUS_MARKER, ".ckpt_step4.tmp", "ckpt_step2",
+                                                             "metrics.jsonl"])
     checkpoint(out, ".ckpt_step4.tmp")  # the new run is interrupted (Ctrl-C) inside a save of the same step
     (out / "metrics.jsonl").write_text('{"step": 1, "new": true}\n')
     run_dir.close(succeeded=False)
