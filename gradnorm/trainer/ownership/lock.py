@@ -139,14 +139,14 @@ def has_checkpoint(out: Path) -> bool:
     return latest_checkpoint(out) is not None
 
 
-def check(out: Path, resume: bool, overwrite: bool, rank: int = 0) -> None:
+def check(out: Path, resume: bool, overwrite: bool) -> None:
     """The read-only decision rank 0 takes before anything is written (after ``settle``); a
     one-line ValueError.
 
     Another run's live lock comes first: while an --overwrite run is in its warm-up, previous_run/
     exists and no checkpoint does, which is not a stranded replacement but one still running.
     """
-    owner = live_owner(out / LOCK) if rank == 0 else None
+    owner = live_owner(out / LOCK)
     if owner is not None:
         raise ValueError(in_use(out, owner))
     previous = out / PREVIOUS
@@ -368,7 +368,7 @@ class RunDir:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-def settle(out: Path, rank: int = 0, wait_s: float = 60.0) -> None:
+def settle(out: Path) -> None:
     """Finish a move of a run that a kill interrupted, before anything reads ``out``.
 
     Rank 0 takes the lock (a live run's lock is respected: that run is still moving it) and moves
@@ -381,14 +381,6 @@ def settle(out: Path, rank: int = 0, wait_s: float = 60.0) -> None:
         if not journal.is_file():
             return
     except OSError:  # an --output-dir the preflight refuses (a name too long): nothing of a run to settle
-        return
-    if rank != 0:
-        deadline = time.monotonic() + wait_s
-        while journal.is_file():
-            if time.monotonic() > deadline:
-                raise ValueError(f"--output-dir {out}: {JOURNAL} (an interrupted move of a run) is still there "
-                                 f"after {wait_s:.0f} s; rank 0 finishes it on its start, so look at rank 0's error")
-            time.sleep(0.05)
         return
     entry = _read_journal(journal)
     run_dir = RunDir(out)
