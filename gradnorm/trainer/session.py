@@ -68,25 +68,30 @@ class _Decision:
 
 class _Refused(Exception):
     """The start ends before training, on every rank alike: ``code`` (0 for a finished run's requeue,
-    2 for bad input, 1 for a failed write), and the line of the rank that found it (``origin``)."""
+    2 for bad input, 1 for a failed write), the line of the rank that found it (``origin``), and
+    ``own``: this rank's own line, when its own check failed too (a flag that differs between nodes
+    fails on every rank, each with its own digest)."""
 
-    def __init__(self, code: int, origin: int, message: str):
+    def __init__(self, code: int, origin: int, message: str, own: str | None = None):
         super().__init__(message)
-        self.code, self.origin, self.message = code, origin, message
+        self.code, self.origin, self.message, self.own = code, origin, message, own
 
     def __reduce__(self):  # broadcast from rank 0 as a decision
         return _Refused, (self.code, self.origin, self.message)
 
     def report(self, rank: int) -> None:
-        """Rank 0 (and the first rank of each other node) prints the line at once; every other rank
-        already knows it, and waits for torchrun's stop so that it cannot end the job before rank 0 has
-        printed (``failures.report_error``)."""
-        if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
-            if self.code == 0:
-                print(self.message, file=sys.stderr, flush=True)
-            else:
-                said = self.message if self.origin == 0 else f"rank {self.origin}: {self.message}"
-                print(f"error: {said}", file=sys.stderr, flush=True)
+        """Rank 0 prints the line at once, and so does the first rank of each other node, so that
+        every node's log says why it stopped: its own line if its check failed, else whose it stops
+        with. Every other rank already knows, and waits for torchrun's stop so that it cannot end the
+        job before rank 0 has printed (as ``failures.report_error``). A finished run's requeue is
+        rank 0's line alone."""
+        if rank == 0:
+            said = self.message if self.origin == 0 else f"rank {self.origin}: {self.message}"
+            print(said if self.code == 0 else f"error: {said}", file=sys.stderr, flush=True)
+        elif self.code != 0 and os.environ.get("LOCAL_RANK") == "0":
+            said = self.own or (self.message if self.origin == 0 else
+                                f"stopping with rank {self.origin}: {self.message}")
+            print(f"error: rank {rank}: {said}", file=sys.stderr, flush=True)
         elif self.code != 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(failures.GRACE_S)
@@ -164,7 +169,7 @@ class Session:
             local = str(err)
         failed = comm.first_failure(local)
         if failed is not None:
-            raise _Refused(2, *failed)
+            raise _Refused(2, *failed, own=local)
         decided = comm.broadcast_object(self._decide(cfg) if self.rank == 0 else None)
         if isinstance(decided, _Refused):
             raise decided

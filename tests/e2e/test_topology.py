@@ -119,9 +119,8 @@ def _check_flags(ctx, lr_on_rank_1):
     from gradnorm.trainer.guards import launch
 
     flags = ["--lr", lr_on_rank_1] if ctx.rank == 1 else []
-    per_start = ["--resume"] if ctx.rank == 0 else []  # a per-start flag may differ: it never changes the run
-    try:
-        launch.check_same_command(parse_config([*flags, *per_start]))
+    try:  # compared before rank 0 resolves --auto-resume, so every flag must be the same, --resume too
+        launch.check_same_command(parse_config(flags))
     except ValueError as err:
         return str(err)
     return None

@@ -184,7 +184,8 @@ def reads(job: str):
 def ran(request, tmp_path_factory):
     """``ran(job)``: (its directory, its commands' results), each job run once; those of the module's
     selected tests start together at first use, two jobs at a time."""
-    mine = [item for item in request.session.items if item.module is request.module]
+    # getattr: under --nbmake the session holds notebook items too, which have no module
+    mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
     wanted = [job for job in JOBS if any(getattr(item.function, "job", None) == job for item in mine)]
     pool = ThreadPoolExecutor(2, thread_name_prefix="documented")
     started = {}
