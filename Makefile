@@ -37,11 +37,12 @@ COV ?= --cov=gradnorm --cov-report=term-missing:skip-covered
 test: install
 	$(PY) -m pytest --nbmake -m "not trainers" $(COV)
 
-# The trainer audit on TRL's SFT, DPO and GRPO trainers and on accelerate and drop-in loops (tests marked trainers:
-# tests/e2e/test_trainer_audit_trl.py, _loops.py): real torchrun launches, a few minutes on 2 cores, kept out of
-# `make test` for its time; CI runs it after.
+# The trainer audit on real trainers (tests marked trainers: tests/e2e/test_trainer_audit*.py, transformers' Trainer,
+# TRL's SFT, DPO and GRPO trainers, accelerate and drop-in loops, gradnorm's own trainer) and notebook 07, which runs
+# those audits live: real torchrun launches, several minutes on 2 cores, kept out of `make test` for its time; CI
+# runs it after.
 test-trainers: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m trainers tests/e2e
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake -m trainers tests/e2e notebooks/07_real_trainers.ipynb
 
 # The edit loop: every test that runs in pytest's own process (none marked slow, browser or launch:
 # no training runs, spawned ranks, subprocesses, notebooks, browser or coverage). `make test` stays

@@ -42,6 +42,17 @@ def _browser_missing():
     return missing
 
 
+TRAINER_NOTEBOOKS = ("07_real_trainers.ipynb",)
+"""Notebooks that run the trainer audit on transformers' and TRL's trainers: marked ``trainers``, so
+they run with the rest of those audits (``make test-trainers``), not in ``make test``."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in TRAINER_NOTEBOOKS:
+            item.add_marker(pytest.mark.trainers)
+
+
 @pytest.hookimpl(tryfirst=True)  # before any fixture starts JupyterLab
 def pytest_runtest_setup(item):
     if item.get_closest_marker("browser") is None:

@@ -30,7 +30,7 @@ from gradnorm.audit.trainer.cli import trainer_lines
 from gradnorm.testing import assert_trainer_invariant
 from tests.helpers.trainer_audit import assert_global_token_mean
 
-pytestmark = [pytest.mark.slow, pytest.mark.launch]
+pytestmark = [pytest.mark.slow, pytest.mark.launch, pytest.mark.trainers]  # make test-trainers
 ROOT = Path(__file__).resolve().parents[2]
 BUILDS = ROOT / "examples" / "trainers" / "hf_trainer.py"
 

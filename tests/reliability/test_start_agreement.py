@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers.fakes import fake_model
+from tests.helpers.fakes import fake_checkpoint, fake_model
 from tests.helpers.runfiles import metrics
 from tests.helpers.trainer import tiny
 
@@ -82,9 +82,12 @@ def test_overwrite_moves_nothing_when_another_rank_fails_its_check(tmp_path):
     rank 0 had already set the old run aside, then ignored torchrun's SIGTERM in the rendezvous for
     30 s, leaving the old run in previous_run/ with a stale lock. Now every rank checks first and the
     ranks agree: rank 1's line is the job's, and nothing of the old run moves."""
-    out = tmp_path / "run"
-    old = run(torchrun(*tiny(), "--steps", "2", "--output-dir", str(out)), ENV)
-    assert old.returncode == 0, old.stderr[-2000:]
+    out = tmp_path / "run"  # an old run: its marker, records and a checkpoint (what --overwrite sets aside)
+    out.mkdir()
+    (out / ".gradnorm-run").write_text("{}\n")
+    (out / "config.json").write_text(json.dumps({"history": [{"step": 2}]}))
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    fake_checkpoint(out, "ckpt_step2")
     before = sorted(p.name for p in out.iterdir())
     model = tmp_path / "model"
     fake_model(model)
