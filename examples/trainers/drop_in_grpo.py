@@ -12,7 +12,6 @@ differ as much as they can) and calls ``accumulate`` with ``denominator="token"`
 microbatch's own mean, the control).
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: drop_in_ddp
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/trainers/: loops
+
+from loops import process_group  # noqa: E402  (after the paths above)
 
 MAX_NEW_TOKENS = 64  # a cut completion (no EOS) has probability 0.75**63 at the probe's EOS rate
 
@@ -35,21 +37,10 @@ class _Logits(nn.Module):
         return self.model(input_ids=input_ids).logits
 
 
-def _process_group():
-    """gloo under torchrun; one process: a group of one, so the drop-in's all-reduce runs as written."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group("gloo")
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
 class _DropInGRPO:
     def __init__(self, model, tokenizer, train_dataset, reward_func, num_generations, accum_steps, completions,
                  denominator, seed):
-        _process_group()
+        process_group()
         self.model, self.tokenizer, self.reward_func = model, tokenizer, reward_func
         self.G, self.accum_steps, self.denominator, self.seed = num_generations, accum_steps, denominator, seed
         self.prompts = [r["prompt"] for r in train_dataset][: completions // num_generations]

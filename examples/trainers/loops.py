@@ -71,8 +71,9 @@ def accelerate_fixed(model, tokenizer, train_dataset, *, accum_steps, per_device
     return _Accelerate(model, tokenizer, train_dataset, accum_steps, per_device_batch, fixed=True)
 
 
-def _process_group():
-    """gloo under torchrun; one process: a group of one, so the drop-in's all-reduce runs as written."""
+def process_group():
+    """gloo under torchrun; one process: a group of one, so the drop-in's all-reduce runs as written (the
+    drop-in loops here and in drop_in_grpo.py)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -86,7 +87,7 @@ class _DropIn:
     """examples/drop_in_sft.py's accumulate in a DDP loop over the probe's texts."""
 
     def __init__(self, model, tokenizer, train_dataset, accum_steps, per_device_batch):
-        _process_group()
+        process_group()
         self.model, self.accum_steps = model, accum_steps
         sampler = torch.utils.data.distributed.DistributedSampler(train_dataset, shuffle=False)
         self.loader = _loader(tokenizer, train_dataset, per_device_batch, sampler=sampler)
@@ -121,7 +122,7 @@ class _DropInDPO:
     def __init__(self, model, tokenizer, train_dataset, accum_steps, per_device_batch):
         import copy
 
-        _process_group()
+        process_group()
         self.model, self.ref = model, copy.deepcopy(model).eval()
         self.accum_steps, self.tokenizer = accum_steps, tokenizer
         sampler = torch.utils.data.distributed.DistributedSampler(train_dataset, shuffle=False)
