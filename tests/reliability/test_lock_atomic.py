@@ -77,6 +77,11 @@ time.sleep(4)  # a run holds its lock while the other start tries
 
 def race(tmp_path: Path, how: str) -> list[subprocess.CompletedProcess]:
     """Two real processes that both find a killed run's lock and try to take it at the same moment."""
+    return start_race(tmp_path, how)()
+
+
+def start_race(tmp_path: Path, how: str):
+    """``race`` started: its processes wait on the lock while the caller goes on; call the result for them."""
     out = tmp_path / how / "run"
     out.mkdir(parents=True)
     (out / lock.LOCK).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname(), "started": "then"}))
@@ -87,13 +92,14 @@ def race(tmp_path: Path, how: str) -> list[subprocess.CompletedProcess]:
         assert time.monotonic() < deadline and all(s.poll() is None for s in starts)
         time.sleep(0.01)
     (out.parent / "go").touch()
-    return [subprocess.CompletedProcess(s.args, s.wait(timeout=120), *s.communicate()) for s in starts]
+    return lambda: [subprocess.CompletedProcess(s.args, s.wait(timeout=120), *s.communicate()) for s in starts]
 
 
 @pytest.mark.launch
 def test_two_starts_that_find_a_killed_runs_lock_cannot_both_take_it(tmp_path):
     """Issue 54, finding: the stale-lock take-over was check-then-unlink; two starts that both found a
     dead run's lock could both take it (seen with the unlink delayed), then both trained into one directory."""
+    control = start_race(tmp_path, "longhand")  # runs beside the trainer's race (each in its own directory)
     done = race(tmp_path, "trainer")
     took = [d for d in done if d.returncode == 0]
     assert len(took) == 1 and "took" in took[0].stdout, [(d.returncode, d.stdout, d.stderr) for d in done]
@@ -101,7 +107,7 @@ def test_two_starts_that_find_a_killed_runs_lock_cannot_both_take_it(tmp_path):
     assert len(refused) == 1 and "is in use by another run" in refused[0].stdout, refused
     assert "taking it over" in took[0].stderr
     # the control: the longhand check-then-unlink, with the same window, lets both take it
-    assert [d.returncode for d in race(tmp_path, "longhand")] == [0, 0]
+    assert [d.returncode for d in control()] == [0, 0]
 
 
 HOLD = """
