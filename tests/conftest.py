@@ -13,6 +13,7 @@ green CI run must have driven a real browser.
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,3 +100,24 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a directory on a tmpfs of ``size`` bytes; unmounted at the end (a full disk, for
+    the tests of tests/reliability that fill one: ``tests.helpers.faults.fill``)."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], capture_output=True)

@@ -54,3 +54,15 @@ def wait_for_file(path: Path, job: subprocess.Popen, deadline: float, poll_s: fl
     while not path.exists():
         assert job.poll() is None and time.monotonic() < deadline, f"the run ended before {path.name} appeared"
         time.sleep(poll_s)
+
+
+def fill(directory: Path) -> None:
+    """Fill ``directory``'s filesystem to the last byte."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -7,6 +7,7 @@ from torch.testing import assert_close
 
 from gradnorm.trainer.logs.curves import read_metrics
 from gradnorm.trainer.logs.metrics import TIMING_KEYS
+from gradnorm.trainer.ownership.lock import MARKER
 
 
 def metrics(out: Path) -> list[dict]:
@@ -57,3 +58,16 @@ def launch_all(jobs: list[list[str]], cwd: Path, env: dict, at_once: int = 2, ti
         cmd, proc = running.pop(0)
         out, err = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{out}\n{err[-4000:]}"
+
+
+def old_run(out: Path) -> dict[str, bytes]:
+    """A run shaped as the trainer leaves one: its marker, records, checkpoints at steps 8 and 10
+    (``ckpt_step10`` sorts first, so a move in name order takes the latest first) and a torn one."""
+    out.mkdir(parents=True)
+    (out / MARKER).write_text('{"by": "gradnorm/train.py"}\n')
+    (out / "config.json").write_text('{"seed": 3, "history": []}\n')
+    (out / "metrics.jsonl").write_text('{"step": 10}\n')
+    for name in ("ckpt_step8", "ckpt_step10", ".ckpt_step12.tmp"):
+        (out / name).mkdir()
+        (out / name / ".metadata").write_text(name)
+    return every_file(out)

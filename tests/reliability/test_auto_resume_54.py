@@ -33,7 +33,6 @@ import pytest
 from tests.helpers.faults import dead_pid
 from tests.helpers.runfiles import comparable, every_file, metrics
 from tests.helpers.trainer import TINY, one_error_line, run_main, tiny
-from tests.reliability.test_disk_full import small_disk  # noqa: F401 (a fixture)
 
 from gradnorm import train as train_module
 from gradnorm.train import main

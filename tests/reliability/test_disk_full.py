@@ -7,46 +7,11 @@ reason otherwise): full before the run's first file, at a checkpoint (torch's wr
 filesystem with room, which succeeds.
 """
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
+from tests.helpers.faults import fill
 from tests.helpers.trainer import TINY, one_error_line
 
 from gradnorm.train import main
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """mount(size) -> a directory on a tmpfs of ``size`` bytes; unmounted at the end."""
-    mounted = []
-
-    def mount(size: int) -> Path:
-        point = tmp_path / f"disk{len(mounted)}"
-        point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", str(point)], capture_output=True)
-
-
-def fill(directory: Path) -> None:
-    """Fill ``directory``'s filesystem to the last byte."""
-    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.launch

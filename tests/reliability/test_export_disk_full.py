@@ -9,7 +9,6 @@ onto a disk with room.
 
 import pytest
 from tests.helpers.trainer import one_error_line
-from tests.reliability.test_disk_full import fill, small_disk  # noqa: F401 (a fixture)
 
 from gradnorm import export
 

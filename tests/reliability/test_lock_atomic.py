@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from tests.helpers.faults import dead_pid
 from tests.helpers.trainer import TINY, one_error_line
-from tests.reliability.test_disk_full import fill, small_disk  # noqa: F401 (a fixture)
+from tests.helpers.faults import fill
 
 from gradnorm.train import main
 from gradnorm.trainer.ownership import lock

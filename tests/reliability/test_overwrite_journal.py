@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from tests.helpers.faults import dead_pid
-from tests.helpers.runfiles import every_file
+from tests.helpers.runfiles import every_file, old_run
 from tests.helpers.trainer import TINY, one_error_line
 
 from gradnorm.train import main
@@ -28,19 +28,6 @@ from gradnorm.trainer.ownership import lock
 from gradnorm.trainer.ownership.lock import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def old_run(out: Path) -> dict[str, bytes]:
-    """A run shaped as the trainer leaves one: its marker, records, checkpoints at steps 8 and 10
-    (``ckpt_step10`` sorts first, so a move in name order takes the latest first) and a torn one."""
-    out.mkdir(parents=True)
-    (out / lock.MARKER).write_text('{"by": "gradnorm/train.py"}\n')
-    (out / "config.json").write_text('{"seed": 3, "history": []}\n')
-    (out / "metrics.jsonl").write_text('{"step": 10}\n')
-    for name in ("ckpt_step8", "ckpt_step10", ".ckpt_step12.tmp"):
-        (out / name).mkdir()
-        (out / name / ".metadata").write_text(name)
-    return every_file(out)
 
 
 def die(out: Path) -> None:

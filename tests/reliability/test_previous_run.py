@@ -26,9 +26,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers.runfiles import comparable, every_file
+from tests.helpers.runfiles import comparable, every_file, old_run
 from tests.helpers.trainer import TINY, one_error_line, run_main, tiny
-from tests.reliability.test_overwrite_journal import old_run
 
 from gradnorm.train import main
 from gradnorm.trainer.checkpoint.store import latest_checkpoint
