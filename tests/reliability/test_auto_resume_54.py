@@ -79,10 +79,10 @@ def as_typed(line: str, way: str) -> bool:
     return f"{way} in place of --auto-resume" in line
 
 
-def instead(argv: list[str], flag: str) -> list[str]:
-    """``argv`` with --auto-resume replaced by ``flag``: the advice typed as it reads."""
-    assert "--auto-resume" in argv
-    return [flag if a == "--auto-resume" else a for a in argv]
+def instead(argv: list[str], flag: str, start: str = "--auto-resume") -> list[str]:
+    """``argv`` with its start flag ``start`` replaced by ``flag``: the advice typed as it reads."""
+    assert start in argv
+    return [flag if a == start else a for a in argv]
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def test_resume_of_another_run_names_overwrite_in_place_of_resume_and_that_works
     assert line.endswith("or start a new run (another --output-dir, or --overwrite in place of --resume)"), line
     assert run_main(work, *command, "--overwrite", base=NEW) == 2  # the control: beside it, refused
     assert "give one of them" in capsys.readouterr().err
-    assert run_main(work, *[a if a != "--resume" else "--overwrite" for a in command], base=NEW) == 0
+    assert run_main(work, *instead(command, "--overwrite", start="--resume"), base=NEW) == 0
     assert [m["step"] for m in metrics(work)] == [1, 2] and not (work / lock.PREVIOUS).exists()
 
 
